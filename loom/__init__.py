@@ -1,0 +1,8 @@
+"""Loom: continuous-batching LLM inference over a paged KV cache, in Python + PyTorch."""
+
+from loom.config import CacheConfig, EngineConfig, SchedulerConfig
+from loom.engine.engine import LLMEngine, RequestOutput
+from loom.engine.llm import LLM
+from loom.sampling import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams", "EngineConfig", "SchedulerConfig", "CacheConfig"]

@@ -1,0 +1,76 @@
+"""Engine configuration: validated dataclasses, so a bad setting fails at construction, not mid-run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Accept 'float32' / 'bfloat16' (or their short names) or a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits the scheduler keeps on every step."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    policy: str = "continuous"  # or "static" (the padded-wave baseline)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.policy not in ("continuous", "static"):
+            raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache size: an explicit block count, or a memory budget in bytes."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (one is the reserved null block), got {self.num_kv_blocks}")
+        if self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything an LLMEngine needs besides the weights."""
+
+    model: str | None = None  # None: the bundled SmolLM2 GGUF
+    dtype: torch.dtype = torch.float32
+    max_model_len: int | None = None  # None: the model's own context length
+    attention_backend: str = "sdpa"  # "sdpa" (fast, batched) or "reference" (obvious, slow; for tests)
+    num_threads: int | None = None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        self.dtype = parse_dtype(self.dtype)
+        if self.attention_backend not in ("sdpa", "reference"):
+            raise ValueError(f"attention_backend must be 'sdpa' or 'reference', got {self.attention_backend!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")

@@ -1,0 +1,124 @@
+"""BatchMetadata: the tensors one packed step runs on, built from a SchedulerOutput with numpy, no per-token loops.
+
+Sequences are ordered decodes first (query length 1, padding tokens included), then prefill chunks, so the
+attention backend runs every decode in one batched call. Every layer receives this object explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from loom.engine.kv_cache import NULL_BLOCK
+from loom.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class BatchMetadata:
+    """One step's packed row [T] of B sequences.
+
+    context_lens: tokens of each sequence in the cache once this step's K/V are written.
+    logits_indices: row index of the last scheduled token of each sequence that samples this step.
+    sampled_scheduled_index: for each row of logits_indices, the index of its entry in `SchedulerOutput.scheduled`.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    cu_seqlens_q: torch.Tensor  # [B+1] int64
+    context_lens: torch.Tensor  # [B] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, M] int64, padded with the null block
+    logits_indices: torch.Tensor  # [S] int64
+    num_decodes: int
+    decode_max_blocks: int
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, decode_max_blocks * block_size] bool
+    block_size: int
+    # Host copies for Python-side loops over prefill chunks (no device syncs).
+    query_starts: list[int]
+    context_lens_host: list[int]
+    num_blocks_host: list[int]
+    seq_request_ids: list[str | None]  # None for a padding token
+    seq_scheduled_index: list[int]  # index into SchedulerOutput.scheduled, -1 for padding
+    sampled_scheduled_index: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_request_ids)
+
+    def query_len(self, i: int) -> int:
+        return self.query_starts[i + 1] - self.query_starts[i]
+
+
+def build_batch_metadata(
+    out: SchedulerOutput, block_size: int, pad_token_id: int = 0, device: torch.device | str = "cpu"
+) -> BatchMetadata:
+    """Pack the scheduled chunks (decodes first) into one unpadded row with positions, slots and block tables."""
+    sched = out.scheduled
+    decode_idx = [i for i, s in enumerate(sched) if len(s.token_ids) == 1]
+    prefill_idx = [i for i, s in enumerate(sched) if len(s.token_ids) != 1]
+    n_pad = out.num_pad_tokens
+    order = decode_idx + [-1] * n_pad + prefill_idx
+    num_seqs = len(order)
+
+    q_lens = np.fromiter((len(sched[i].token_ids) if i >= 0 else 1 for i in order), np.int64, num_seqs)
+    starts = np.fromiter((sched[i].start_position if i >= 0 else 0 for i in order), np.int64, num_seqs)
+    cu = np.zeros(num_seqs + 1, np.int64)
+    np.cumsum(q_lens, out=cu[1:])
+    num_tokens = int(cu[-1])
+
+    input_ids = np.empty(num_tokens, np.int64)
+    for row, i in enumerate(order):
+        input_ids[cu[row] : cu[row + 1]] = sched[i].token_ids if i >= 0 else pad_token_id
+
+    seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+    positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - cu[:-1], q_lens)
+    context_lens = starts + q_lens
+
+    num_blocks = (-(-context_lens // block_size)).tolist()  # blocks the context spans (a request may own more)
+    max_blocks = max(num_blocks) if num_blocks else 1
+    tables = np.full((num_seqs, max_blocks), NULL_BLOCK, np.int64)
+    for row, i in enumerate(order):
+        if i >= 0:
+            tables[row, : num_blocks[row]] = sched[i].block_ids[: num_blocks[row]]
+    slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+
+    sample_rows = [row for row, i in enumerate(order) if i >= 0 and sched[i].sample]
+    logits_indices = cu[1:][sample_rows] - 1
+    sampled_scheduled_index = [order[row] for row in sample_rows]
+
+    num_decodes = len(decode_idx) + n_pad
+    decode_max_blocks = max(num_blocks[:num_decodes]) if num_decodes else 0
+    decode_mask = None
+    if num_decodes:
+        key_pos = np.arange(decode_max_blocks * block_size)
+        mask = key_pos[None, :] < context_lens[:num_decodes, None]
+        decode_mask = torch.from_numpy(mask).to(device).view(num_decodes, 1, 1, -1)
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    return BatchMetadata(
+        input_ids=t(input_ids),
+        positions=t(positions),
+        cu_seqlens_q=t(cu),
+        context_lens=t(context_lens),
+        slot_mapping=t(slot_mapping),
+        block_tables=t(tables),
+        logits_indices=t(logits_indices),
+        num_decodes=num_decodes,
+        decode_max_blocks=decode_max_blocks,
+        decode_mask=decode_mask,
+        block_size=block_size,
+        query_starts=cu.tolist(),
+        context_lens_host=context_lens.tolist(),
+        num_blocks_host=num_blocks,
+        seq_request_ids=[sched[i].request.request_id if i >= 0 else None for i in order],
+        seq_scheduled_index=order,
+        sampled_scheduled_index=sampled_scheduled_index,
+    )

@@ -1,0 +1,266 @@
+"""LLMEngine: add_request / step / abort over the scheduler and the runner, for callers that drive the loop."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from loom.config import EngineConfig, SchedulerConfig
+from loom.engine.kv_cache import BlockPool, KVCacheSpec
+from loom.engine.request import Request, TokenLogprob
+from loom.engine.runner import ModelRunner, StepResult
+from loom.engine.scheduler import ContinuousScheduler, Scheduler, SchedulerOutput, StaticScheduler
+from loom.model.attention import make_attention
+from loom.model.loader import LoadedModel, load_model
+from loom.sampling import SamplingParams
+from loom.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class RequestMetrics:
+    """Monotonic-clock timestamps (seconds) of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float | None
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: full text/tokens so far, plus what is new since the last output."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    new_text: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class _Stream:
+    """Per-request output bookkeeping the scheduler does not need."""
+
+    detokenizer: IncrementalDetokenizer
+    max_stop_len: int
+    sent_text_len: int = 0
+    sent_token_len: int = 0
+
+
+StepObserver = Callable[[SchedulerOutput, StepResult | None, list[RequestOutput], float], None]
+
+
+class LLMEngine:
+    """One model, one KV pool, one scheduler. `step()` runs exactly one forward over the packed row."""
+
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+        self.config = config or EngineConfig()
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        self.loaded = loaded or load_model(self.config.model)
+        self.tokenizer = self.loaded.tokenizer
+        mcfg = self.loaded.config
+        self.model_config = mcfg
+        self.max_model_len = min(self.config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        cache = self.config.cache
+        kv_spec = KVCacheSpec(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, cache.block_size, self.config.dtype)
+        num_blocks = cache.num_kv_blocks or kv_spec.num_blocks_for_memory(cache.kv_cache_memory)
+        self.pool = BlockPool(num_blocks)
+        self.runner = ModelRunner(
+            self.loaded.build(self.config.dtype), kv_spec, num_blocks, make_attention(self.config.attention_backend)
+        )
+        self.scheduler = self._make_scheduler(self.config.scheduler)
+        self.requests: dict[str, Request] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self.step_observer: StepObserver | None = None
+
+    def _make_scheduler(self, config: SchedulerConfig) -> Scheduler:
+        cls = StaticScheduler if config.policy == "static" else ContinuousScheduler
+        return cls(config, self.pool, self.config.cache.block_size)
+
+    def set_scheduler(self, config: SchedulerConfig) -> None:
+        """Swap the scheduling policy (e.g. static vs continuous on the same weights and cache); only when idle."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot change the scheduler while requests are in flight")
+        self.config.scheduler = config
+        self.scheduler = self._make_scheduler(config)
+
+    # --- requests ---------------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Validate and queue a request; raises ValueError (for this request only) on bad input."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                f"model's context length of {self.max_model_len} tokens"
+            )
+        blocks = -(-total // self.config.cache.block_size)
+        if blocks > self.pool.num_usable_blocks:
+            raise ValueError(
+                f"prompt + max_tokens needs {blocks} KV blocks but the cache holds only {self.pool.num_usable_blocks}"
+            )
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        generator = torch.Generator()
+        generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            prompt=text,
+            priority=priority,
+            generator=generator,
+        )
+        self.requests[request_id] = request
+        self._streams[request_id] = _Stream(
+            detokenizer=self.tokenizer.detokenizer(token_ids), max_stop_len=max((len(s) for s in params.stop), default=0)
+        )
+        self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now: its slot and blocks are freed; returns its final output (finish_reason 'abort')."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        self.scheduler.finish(request, "abort")
+        output = self._output(request, final=True)
+        self._forget(request_id)
+        return output
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the loop -----------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one packed forward, append sampled tokens, retire finished requests."""
+        started = time.perf_counter()
+        out = self.scheduler.schedule()
+        result = None if out.is_empty else self.runner.execute(out)
+        outputs: list[RequestOutput] = []
+        if result is not None:
+            now = time.monotonic()
+            for sched, token, logprob in zip(out.scheduled, result.tokens, result.logprobs):
+                request = sched.request
+                request.num_computed_tokens += len(sched.token_ids)
+                if token is None:
+                    continue
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                self._append_token(request, token, logprob)
+                outputs.append(self._output(request, final=request.is_finished))
+        if self.step_observer is not None:
+            self.step_observer(out, result, outputs, time.perf_counter() - started)
+        for o in outputs:
+            if o.finished:
+                self._forget(o.request_id)
+        return outputs
+
+    def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
+        params = request.params
+        request.output_token_ids.append(token)
+        if logprob is not None:
+            request.output_logprobs.append(logprob)
+        stream = self._streams[request.request_id]
+        prev_len = len(request.output_text)
+        request.output_text += stream.detokenizer.step(token)
+
+        reason = None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids):
+            reason = "stop"
+        elif params.stop:
+            hit = self._find_stop(request.output_text, params.stop, prev_len)
+            if hit is not None:
+                request.output_text = request.output_text[:hit]
+                reason = "stop"
+        if reason is None and (
+            request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+
+    @staticmethod
+    def _find_stop(text: str, stops: list[str], prev_len: int) -> int | None:
+        """Earliest index of a stop string that ends in the newly added text, if any."""
+        hits = [i for s in stops if (i := text.find(s, max(0, prev_len - len(s) + 1))) >= 0]
+        return min(hits) if hits else None
+
+    def _output(self, request: Request, final: bool) -> RequestOutput:
+        stream = self._streams[request.request_id]
+        text = request.output_text
+        # While a stop string might still be completing, hold back the text that could be its beginning.
+        visible = len(text) if final or not stream.max_stop_len else max(0, len(text) - stream.max_stop_len + 1)
+        visible = max(visible, stream.sent_text_len)
+        new_text = text[stream.sent_text_len : visible]
+        new_tokens = request.output_token_ids[stream.sent_token_len :]
+        stream.sent_text_len, stream.sent_token_len = visible, request.num_output_tokens
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            text=text[:visible],
+            token_ids=list(request.output_token_ids),
+            new_text=new_text,
+            new_token_ids=new_tokens,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            metrics=RequestMetrics(
+                arrival_time=request.arrival_time,
+                first_scheduled_time=request.first_scheduled_time,
+                first_token_time=request.first_token_time,
+                finish_time=request.finish_time,
+                num_preemptions=request.num_preemptions,
+            ),
+            logprobs=list(request.output_logprobs),
+        )
+
+    def _forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self._streams.pop(request_id, None)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks

@@ -1,0 +1,70 @@
+"""LLM: offline generation for many prompts at once, on an LLMEngine it drives to completion."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from loom.config import CacheConfig, EngineConfig, SchedulerConfig
+from loom.engine.engine import LLMEngine, RequestOutput
+from loom.model.loader import LoadedModel
+from loom.sampling import SamplingParams
+
+
+class LLM:
+    """`LLM(model).generate(prompts, params)` -> one finished RequestOutput per prompt, in prompt order."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str | torch.dtype = "float32",
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        policy: str = "continuous",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int = 1 << 30,
+        max_model_len: int | None = None,
+        attention_backend: str = "sdpa",
+        num_threads: int | None = None,
+        loaded: LoadedModel | None = None,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            attention_backend=attention_backend,
+            num_threads=num_threads,
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy),
+            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory),
+        )
+        self.engine = LLMEngine(config, loaded)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Queue every prompt (validating all first), step until all finish, return outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, p))
+        except ValueError:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished[rid] for rid in ids]

@@ -1,0 +1,50 @@
+"""The model runner: SchedulerOutput -> BatchMetadata -> one forward over the packed row -> sampled tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loom.engine.batch import BatchMetadata, build_batch_metadata
+from loom.engine.kv_cache import KVCacheSpec
+from loom.engine.request import TokenLogprob
+from loom.engine.scheduler import SchedulerOutput
+from loom.model.attention import AttentionBackend
+from loom.model.sampler import sample
+
+
+@dataclass
+class StepResult:
+    """Aligned with SchedulerOutput.scheduled: the sampled token (None for a chunk that stops mid-prompt)."""
+
+    tokens: list[int | None]
+    logprobs: list[TokenLogprob | None]
+    metadata: BatchMetadata
+
+
+class ModelRunner:
+    """Owns the model, its paged KV tensors and the attention backend."""
+
+    def __init__(self, model, kv_spec: KVCacheSpec, num_blocks: int, attention: AttentionBackend) -> None:
+        self.model = model
+        self.kv_spec = kv_spec
+        self.num_blocks = num_blocks
+        self.kv_caches = kv_spec.allocate(num_blocks)
+        self.attention = attention
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        meta = build_batch_metadata(out, self.kv_spec.block_size)
+        hidden = self.model.forward(meta, self.kv_caches, self.attention)
+        num = len(out.scheduled)
+        tokens: list[int | None] = [None] * num
+        logprobs: list[TokenLogprob | None] = [None] * num
+        if meta.sampled_scheduled_index:
+            logits = self.model.compute_logits(hidden[meta.logits_indices])
+            requests = [out.scheduled[i].request for i in meta.sampled_scheduled_index]
+            sampled, lps = sample(logits, requests)
+            for i, tok, lp in zip(meta.sampled_scheduled_index, sampled, lps):
+                tokens[i] = tok
+                logprobs[i] = lp
+        return StepResult(tokens, logprobs, meta)

@@ -1,0 +1,225 @@
+"""Which tokens of which requests run in the next step: continuous (iteration-level) and static (padded waves).
+
+Both emit a `SchedulerOutput`, the one contract with the runner: plain Python, no tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from loom.config import SchedulerConfig
+from loom.engine.kv_cache import BlockPool
+from loom.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: `token_ids` fed at positions start_position.. (its num_computed_tokens)."""
+
+    request: Request
+    token_ids: list[int]
+    start_position: int
+    block_ids: list[int]
+    sample: bool  # the chunk reaches the request's last token, so a new token is sampled from it
+
+    @property
+    def is_decode(self) -> bool:
+        """One token past the prompt; anything else (a prompt chunk, a recompute after preemption) is prefill."""
+        return len(self.token_ids) == 1 and self.start_position >= self.request.num_prompt_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    step: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_pad_tokens: int = 0  # static batching only: wasted tokens computed to keep the wave rectangular
+    admitted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled if not s.is_decode)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.num_pad_tokens
+
+
+class Scheduler:
+    """State shared by both policies: waiting queue, running set, slots and the block pool."""
+
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int) -> None:
+        self.config = config
+        self.pool = pool
+        self.block_size = block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last one is the newest
+        self._free_slots = list(range(config.max_num_seqs))
+        self._step = 0
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Retire a request (stopped, length or abort): its blocks and slot go back at once."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finish_time = time.monotonic()
+
+    def schedule(self) -> SchedulerOutput:
+        raise NotImplementedError
+
+    def _blocks_needed(self, request: Request, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(request.block_ids))
+
+    def _try_allocate(self, request: Request, num_tokens: int) -> bool:
+        """Give the request enough blocks to hold `num_tokens` tokens, if the pool has them."""
+        need = self._blocks_needed(request, num_tokens)
+        if need > self.pool.num_free_blocks:
+            return False
+        if need:
+            request.block_ids.extend(self.pool.allocate(need))
+        return True
+
+    def _release(self, request: Request) -> None:
+        if request.block_ids:
+            self.pool.free(request.block_ids)
+            request.block_ids = []
+        if request.slot is not None:
+            self._free_slots.append(request.slot)
+            self._free_slots.sort()
+            request.slot = None
+
+    def _admit(self, request: Request, out: SchedulerOutput) -> None:
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        request.slot = self._free_slots.pop(0)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        self.running.append(request)
+        out.admitted.append(request)
+
+    def _schedule_chunk(self, request: Request, num_tokens: int, out: SchedulerOutput) -> None:
+        start = request.num_computed_tokens
+        end = start + num_tokens
+        out.scheduled.append(
+            ScheduledRequest(
+                request=request,
+                token_ids=request.token_ids(start, end),
+                start_position=start,
+                block_ids=request.block_ids,
+                sample=end == request.num_tokens,
+            )
+        )
+
+    def _next_output(self) -> SchedulerOutput:
+        self._step += 1
+        return SchedulerOutput(step=self._step)
+
+
+class ContinuousScheduler(Scheduler):
+    """Iteration-level scheduling with chunked prefill and recompute preemption.
+
+    Running requests go first (their decodes are never starved by a new prompt), each taking what it still
+    needs up to the token budget; then waiting requests are admitted FCFS into free slots with what budget is
+    left, a long prompt in chunks across steps. Out of blocks: the newest running request is preempted.
+    """
+
+    def schedule(self) -> SchedulerOutput:
+        out = self._next_output()
+        budget = self.config.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self._try_allocate(request, request.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            self._schedule_chunk(request, n, out)
+            budget -= n
+            index += 1
+
+        if not out.preempted:
+            while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+                request = self.waiting[0]
+                n = min(request.num_tokens - request.num_computed_tokens, budget)
+                if not self._try_allocate(request, request.num_computed_tokens + n):
+                    break
+                self._admit(request, out)
+                self._schedule_chunk(request, n, out)
+                budget -= n
+        return out
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Free the request's blocks and queue it first in line; its K/V are recomputed when it returns."""
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+
+class StaticScheduler(Scheduler):
+    """The baseline: waves of up to max_num_seqs requests, each a padded rectangle run to its longest request.
+
+    A wave's prompts are prefilled together, padded to the longest prompt; then every slot computes one token
+    per step until the wave's longest request ends (finished requests compute padding). Nobody is admitted
+    until the whole wave is done. Blocks for prompt + max_tokens are reserved at admission, so a wave never
+    preempts. `num_pad_tokens` counts the wasted work the rectangle costs.
+    """
+
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int) -> None:
+        super().__init__(config, pool, block_size)
+        self.wave: list[Request] = []
+        self.num_pad_tokens = 0
+
+    def schedule(self) -> SchedulerOutput:
+        out = self._next_output()
+        if all(r.is_finished for r in self.wave):
+            self.wave = []
+            while self.waiting and len(self.wave) < self.config.max_num_seqs:
+                request = self.waiting[0]
+                if not self._try_allocate(request, request.num_prompt_tokens + request.params.max_tokens):
+                    break
+                self._admit(request, out)
+                self.wave.append(request)
+        if not self.wave:
+            return out
+
+        prefilling = [r for r in self.wave if not r.is_finished and r.num_computed_tokens < r.num_prompt_tokens]
+        if prefilling:
+            longest = max(r.num_prompt_tokens for r in self.wave)
+            for r in prefilling:
+                self._schedule_chunk(r, r.num_tokens - r.num_computed_tokens, out)
+            out.num_pad_tokens = sum(longest - r.num_prompt_tokens for r in self.wave)
+        else:
+            for r in self.wave:
+                if r.is_finished:
+                    out.num_pad_tokens += 1
+                else:
+                    self._schedule_chunk(r, 1, out)
+        self.num_pad_tokens += out.num_pad_tokens
+        return out

@@ -1,0 +1,43 @@
+"""Architecture hyper-parameters, read from a GGUF header or an HF config.json."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    """What the forward pass needs to know about a model; `arch` picks llama.py or gpt2.py."""
+
+    arch: str  # "llama" (Llama, Qwen2, Mistral-style) or "gpt2"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("llama", "gpt2"):
+            raise ValueError(f"unsupported architecture {self.arch!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def matmul_params_per_token(self) -> int:
+        """Weights every token multiplies through (all layers + LM head): FLOPs per token = 2x this."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
+        mlp = (3 if self.arch == "llama" else 2) * h * self.intermediate_size
+        return self.num_layers * (attn + mlp) + h * self.vocab_size

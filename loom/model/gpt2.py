@@ -1,0 +1,93 @@
+"""GPT-2 (the article's model) over a packed row: learned positions, LayerNorm, biased attention, tanh-GELU MLP.
+
+Hugging Face stores GPT-2's projections as Conv1D ([in, out]); they are transposed once at construction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from loom.engine.batch import BatchMetadata
+from loom.model.attention import AttentionBackend, KVCache
+from loom.model.config import ModelConfig
+
+
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's tanh approximation, written as transformers writes it so results match bit for bit."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+@dataclass
+class GPT2Layer:
+    ln1_weight: torch.Tensor
+    ln1_bias: torch.Tensor
+    qkv_weight: torch.Tensor  # [3 * hidden, hidden]
+    qkv_bias: torch.Tensor
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor
+    ln2_weight: torch.Tensor
+    ln2_bias: torch.Tensor
+    fc_weight: torch.Tensor
+    fc_bias: torch.Tensor
+    proj_weight: torch.Tensor
+    proj_bias: torch.Tensor
+
+
+class GPT2Model:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.config = config
+        self.dtype = dtype
+
+        def w(name: str, conv1d: bool = False) -> torch.Tensor:
+            t = weights["transformer." + name]
+            return (t.t().contiguous() if conv1d else t).to(dtype)
+
+        self.wte = w("wte.weight")
+        self.wpe = w("wpe.weight")
+        self.ln_f_weight, self.ln_f_bias = w("ln_f.weight"), w("ln_f.bias")
+        self.layers = [
+            GPT2Layer(
+                ln1_weight=w(f"h.{i}.ln_1.weight"),
+                ln1_bias=w(f"h.{i}.ln_1.bias"),
+                qkv_weight=w(f"h.{i}.attn.c_attn.weight", conv1d=True),
+                qkv_bias=w(f"h.{i}.attn.c_attn.bias"),
+                o_weight=w(f"h.{i}.attn.c_proj.weight", conv1d=True),
+                o_bias=w(f"h.{i}.attn.c_proj.bias"),
+                ln2_weight=w(f"h.{i}.ln_2.weight"),
+                ln2_bias=w(f"h.{i}.ln_2.bias"),
+                fc_weight=w(f"h.{i}.mlp.c_fc.weight", conv1d=True),
+                fc_bias=w(f"h.{i}.mlp.c_fc.bias"),
+                proj_weight=w(f"h.{i}.mlp.c_proj.weight", conv1d=True),
+                proj_bias=w(f"h.{i}.mlp.c_proj.bias"),
+            )
+            for i in range(config.num_layers)
+        ]
+
+    def forward(self, meta: BatchMetadata, kv_caches: list[KVCache], attention: AttentionBackend) -> torch.Tensor:
+        cfg = self.config
+        num_tokens, hidden_size, heads, d = meta.num_tokens, cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        hidden = self.wte[meta.input_ids] + self.wpe[meta.positions]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = F.layer_norm(hidden, (hidden_size,), layer.ln1_weight, layer.ln1_bias, cfg.norm_eps)
+            q, k, v = F.linear(x, layer.qkv_weight, layer.qkv_bias).split(hidden_size, dim=-1)
+            attn = attention(
+                q.reshape(num_tokens, heads, d),
+                k.reshape(num_tokens, heads, d),
+                v.reshape(num_tokens, heads, d),
+                kv_cache,
+                meta,
+                d**-0.5,
+            )
+            hidden = hidden + F.linear(attn, layer.o_weight, layer.o_bias)
+            x = F.layer_norm(hidden, (hidden_size,), layer.ln2_weight, layer.ln2_bias, cfg.norm_eps)
+            hidden = hidden + F.linear(gelu_new(F.linear(x, layer.fc_weight, layer.fc_bias)), layer.proj_weight, layer.proj_bias)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = F.layer_norm(hidden, (self.config.hidden_size,), self.ln_f_weight, self.ln_f_bias, self.config.norm_eps)
+        return F.linear(x, self.wte).float()
+

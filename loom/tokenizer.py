@@ -1,0 +1,141 @@
+"""Tokenizer on the HF `tokenizers` library: from tokenizer.json, or built from a GGUF's vocabulary and merges.
+
+Incremental detokenization uses tokenizers' DecodeStream, which holds back bytes until they form whole UTF-8
+characters, so a streamed delta never carries half a character.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+# GGUF token types (llama.cpp's llama_token_type)
+_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+
+# GPT-2's split pattern; llama.cpp's "smollm" pre-tokenizer puts single digits in front of it.
+_GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+
+def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    gpt2_split = pre_tokenizers.Split(Regex(_GPT2_PATTERN), behavior="isolated")
+    if pre in ("gpt2", "gpt-2", "default"):
+        return pre_tokenizers.Sequence([gpt2_split, byte_level])
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2_split, byte_level])
+    raise ValueError(f"GGUF tokenizer pre-tokenizer {pre!r} is not supported (supported: smollm, gpt2, default)")
+
+
+@dataclass
+class Tokenizer:
+    """Encode/decode plus what the engine needs to know: BOS, the EOS ids, and the chat template."""
+
+    backend: HFTokenizer
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    add_bos: bool = False  # prepend BOS ourselves (GGUF); tokenizer.json files do it in their post-processor
+    chat_template: str | None = None
+
+    @classmethod
+    def from_gguf_vocab(
+        cls,
+        tokens: list[str],
+        token_types: list[int],
+        merges: list[str],
+        pre: str,
+        bos_token_id: int | None,
+        eos_token_ids: list[int],
+        add_bos: bool,
+        chat_template: str | None,
+    ) -> "Tokenizer":
+        vocab = {t: i for i, t in enumerate(tokens)}
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        backend = HFTokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
+        backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
+        backend.decoder = decoders.ByteLevel()
+        special = [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(tokens, token_types)
+            if kind in (_GGUF_CONTROL, _GGUF_USER_DEFINED)
+        ]
+        backend.add_special_tokens(special)
+        return cls(backend, bos_token_id, eos_token_ids, add_bos, chat_template)
+
+    @classmethod
+    def from_dir(cls, path: Path, eos_token_ids: list[int]) -> "Tokenizer":
+        """tokenizer.json (+ tokenizer_config.json / chat_template.jinja) of a Hugging Face model directory."""
+        backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        cfg_path = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        template = cfg.get("chat_template")
+        if (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+
+        def token_id(name: str) -> int | None:
+            tok = cfg.get(name)
+            if isinstance(tok, dict):
+                tok = tok.get("content")
+            return backend.token_to_id(tok) if isinstance(tok, str) else None
+
+        eos = list(eos_token_ids)
+        cfg_eos = token_id("eos_token")
+        if cfg_eos is not None and cfg_eos not in eos:
+            eos.append(cfg_eos)
+        return cls(backend, token_id("bos_token"), eos, False, template)
+
+    @classmethod
+    def load(cls, path: Path) -> "Tokenizer":
+        """Read what `save` wrote."""
+        meta = json.loads((path / "loom_tokenizer.json").read_text())
+        return cls(HFTokenizer.from_file(str(path / "tokenizer.json")), **meta)
+
+    def save(self, path: Path) -> None:
+        self.backend.save(str(path / "tokenizer.json"))
+        meta = {
+            "bos_token_id": self.bos_token_id,
+            "eos_token_ids": self.eos_token_ids,
+            "add_bos": self.add_bos,
+            "chat_template": self.chat_template,
+        }
+        (path / "loom_tokenizer.json").write_text(json.dumps(meta))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def detokenizer(self, prompt_token_ids: list[int] | None = None) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, prompt_token_ids or [])
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output tokens into text deltas, holding back incomplete UTF-8 characters.
+
+    It is primed with the prompt's last tokens so a tokenizer that drops a word's leading space at the start
+    of a decode (SentencePiece-style) still spaces the first output token correctly.
+    """
+
+    _PRIME_TOKENS = 6
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]) -> None:
+        self._backend = tokenizer.backend
+        self._stream = DecodeStream(ids=prompt_token_ids[-self._PRIME_TOKENS :], skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._backend, token_id) or ""
