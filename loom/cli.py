@@ -1,0 +1,109 @@
+"""`loom generate | demo | bench offline`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+
+from loom.config import CacheConfig, EngineConfig, SchedulerConfig
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a .gguf file or HF model directory (default: bundled SmolLM2)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None)
+
+
+def _engine_config(args: argparse.Namespace, policy: str = "continuous") -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, policy),
+        cache=CacheConfig(num_kv_blocks=args.num_kv_blocks),
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from loom.engine.llm import LLM
+    from loom.sampling import SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=args.stop or [],
+    )
+    out = llm.generate([args.prompt], params)[0]
+    print(out.text)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from loom.demo import run_demo
+    from loom.engine.engine import LLMEngine
+
+    console = Console(no_color=args.plain, soft_wrap=True, highlight=False)
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads))
+    static, continuous = run_demo(engine, console)
+    return 0 if static.texts == continuous.texts else 1
+
+
+def cmd_bench_offline(args: argparse.Namespace) -> int:
+    from loom.bench.offline import main as bench_main
+
+    return bench_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loom", description="Continuous-batching LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one prompt and print the text")
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    g.add_argument("--model", default=None)
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--threads", type=int, default=None)
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="the article's static vs continuous experiment on the bundled model")
+    d.add_argument("--plain", action="store_true", help="no colour (for logs); also automatic when not a terminal")
+    d.add_argument("--model", default=None)
+    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    d.add_argument("--threads", type=int, default=None)
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    off = bsub.add_parser("offline", help="static vs continuous, fp32 and bf16, on one engine; JSON lines")
+    off.add_argument("--workload", choices=["article", "mixed", "all"], default="all")
+    off.add_argument("--num-requests", type=int, default=200)
+    off.add_argument("--seed", type=int, default=0)
+    off.add_argument("--dtypes", default="float32,bfloat16")
+    off.add_argument("--policies", default="static,continuous")
+    _engine_args(off)
+    off.set_defaults(func=cmd_bench_offline)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
