@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from rich.console import Console
 
 from loom import LLM, EngineConfig, LLMEngine, SamplingParams
@@ -89,3 +90,21 @@ def test_demo_logs_draws_and_agrees(tiny_llama):
     assert log.count("<- admit req") == 2 * len(ARTICLE_REQUESTS)
     assert "PREFILL + DECODE fused in one pass" in log and "batch barrier" in log
     assert "identical text in both runs: yes" in log
+
+
+def test_cli_generate_prints_the_completion(tiny_llama_dir, capsys):
+    from loom.cli import main
+
+    assert main(["generate", "The capital of France is", "--model", str(tiny_llama_dir), "--max-tokens", "4"]) == 0
+    expected = LLM(model=str(tiny_llama_dir)).generate(
+        ["The capital of France is"], SamplingParams(max_tokens=4, temperature=0.0))[0].text
+    assert capsys.readouterr().out == expected + "\n"
+    assert main(["generate", "", "--model", str(tiny_llama_dir)]) == 2  # a clear error, not a traceback
+
+
+def test_bfloat16_keeps_bf16_kv_and_agrees_with_float32_on_smollm2(smollm2):
+    prompt = ["The capital of France is"]
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    bf16 = LLM(loaded=smollm2, dtype="bfloat16", num_kv_blocks=32)
+    assert bf16.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert bf16.generate(prompt, params)[0].text.startswith(" Paris")
