@@ -53,6 +53,41 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if static.texts == continuous.texts else 1
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import ipaddress
+    import logging
+
+    import uvicorn
+
+    from loom.engine.async_engine import AsyncEngine
+    from loom.engine.engine import LLMEngine
+    from loom.server.app import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        max_model_len=args.max_model_len,
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
+        cache=CacheConfig(num_kv_blocks=args.num_kv_blocks, kv_cache_memory=int(args.kv_cache_memory * (1 << 30))),
+    )
+    engine = LLMEngine(config)
+    name = args.served_model_name or engine.loaded.name
+    try:
+        loopback = ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = args.host == "localhost"
+    if not loopback and not args.api_key:
+        logging.getLogger("loom.server").warning(
+            "binding %s without --api-key: anyone who can reach this port can use the model", args.host)
+    app = create_app(AsyncEngine(engine, max_waiting=args.max_waiting), name, api_key=args.api_key,
+                     max_body_bytes=args.max_body_bytes)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                timeout_graceful_shutdown=args.shutdown_timeout)
+    return 0
+
+
 def cmd_bench_offline(args: argparse.Namespace) -> int:
     from loom.bench.offline import main as bench_main
 
@@ -82,6 +117,24 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     d.add_argument("--threads", type=int, default=None)
     d.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: bundled SmolLM2 on 127.0.0.1:8000)")
+    s.add_argument("model", nargs="?", default=None, help="a .gguf file or HF model directory")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    s.add_argument("--max-num-seqs", type=int, default=64)
+    s.add_argument("--max-num-batched-tokens", type=int, default=512)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--num-kv-blocks", type=int, default=None)
+    s.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache (default 1)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    s.add_argument("--max-waiting", type=int, default=None, help="refuse with 503 + Retry-After beyond this queue")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds to drain on SIGTERM")
+    s.add_argument("--threads", type=int, default=None)
+    s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)

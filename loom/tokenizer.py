@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from datetime import datetime
+from functools import cached_property
 from pathlib import Path
+
+from jinja2 import Template, TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -120,8 +125,37 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
+    @cached_property
+    def _chat_template(self) -> Template:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use the completions API")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(self.chat_template)
+        except TemplateError as e:
+            raise ValueError(f"the model's chat template does not compile: {e}") from e
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render messages with the model's template in jinja2's sandbox (a template cannot reach Python internals)."""
+        special = lambda i: self.backend.id_to_token(i) if i is not None else ""  # noqa: E731
+        try:
+            return self._chat_template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=special(self.bos_token_id),
+                eos_token=special(self.eos_token_ids[0] if self.eos_token_ids else None),
+            )
+        except TemplateError as e:
+            raise ValueError(f"chat template error: {e}") from e
+
     def detokenizer(self, prompt_token_ids: list[int] | None = None) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, prompt_token_ids or [])
+
+
+def _raise_template_error(message: str) -> None:
+    raise TemplateError(message)
 
 
 class IncrementalDetokenizer:

@@ -78,7 +78,7 @@ def drive(engine: LLMEngine, workload, arrivals: list[int], check_steps: bool = 
     while pending or engine.has_unfinished_requests():
         while pending and arrivals[pending[0]] <= step:
             i = pending.pop(0)
-            ids[engine.add_request(workload[i][0], greedy(workload[i][1]))] = i
+            ids[engine.add_request(workload[i][0], greedy(workload[i][1]), request_id=str(i))] = i
         for out in engine.step():
             if out.finished:
                 done[ids[out.request_id]] = out.token_ids
@@ -155,8 +155,8 @@ def test_static_admits_nobody_before_the_wave_ends(tiny_llama):
                 finished_at[o.request_id] = out.step
 
     engine.step_observer = observe
-    for n in (2, 10, 3, 3):
-        engine.add_request([5, 6, 7], greedy(n))
+    for i, n in enumerate((2, 10, 3, 3)):
+        engine.add_request([5, 6, 7], greedy(n), request_id=str(i))
     while engine.has_unfinished_requests():
         engine.step()
     # Request "2" waits for the whole first wave (its longest request, "1"), not for the short "0".
@@ -173,8 +173,8 @@ def test_continuous_admits_on_the_step_a_slot_frees(tiny_llama):
         events.extend((out.step, "finish", o.request_id) for o in outputs if o.finished)
 
     engine.step_observer = observe
-    for n in (2, 10, 3):
-        engine.add_request([5, 6, 7], greedy(n))
+    for i, n in enumerate((2, 10, 3)):
+        engine.add_request([5, 6, 7], greedy(n), request_id=str(i))
     while engine.has_unfinished_requests():
         engine.step()
     finish_0 = next(s for s, kind, rid in events if kind == "finish" and rid == "0")
@@ -220,8 +220,8 @@ def test_abort_frees_blocks_and_slot(tiny_llama):
 
 def test_preempted_request_goes_back_to_waiting_first(tiny_llama):
     engine = make_engine(tiny_llama, max_num_seqs=3, budget=64, blocks=7, block_size=4)
-    for _ in range(3):
-        engine.add_request([3, 4, 5, 6], greedy(12))
+    for i in range(3):
+        engine.add_request([3, 4, 5, 6], greedy(12), request_id=str(i))
     preempted = []
     engine.step_observer = lambda out, *rest: preempted.extend(out.preempted)
     while engine.has_unfinished_requests():

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -88,7 +88,6 @@ class LLMEngine:
         self.scheduler = self._make_scheduler(self.config.scheduler)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, _Stream] = {}
-        self._ids = itertools.count()
         self.step_observer: StepObserver | None = None
 
     def _make_scheduler(self, config: SchedulerConfig) -> Scheduler:
@@ -113,6 +112,19 @@ class LLMEngine:
         priority: int = 0,
     ) -> str:
         """Validate and queue a request; raises ValueError (for this request only) on bad input."""
+        request = self.create_request(prompt, params, request_id, arrival_time, priority)
+        self.submit(request)
+        return request.request_id
+
+    def create_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Tokenize and validate without touching engine state, so another thread may do it while steps run."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if not prompt:
@@ -138,13 +150,10 @@ class LLMEngine:
             raise ValueError(
                 f"prompt + max_tokens needs {blocks} KV blocks but the cache holds only {self.pool.num_usable_blocks}"
             )
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
-        request = Request(
-            request_id=request_id,
+        return Request(
+            request_id=request_id if request_id is not None else f"req-{uuid.uuid4().hex}",
             prompt_token_ids=token_ids,
             params=params,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
@@ -152,12 +161,18 @@ class LLMEngine:
             priority=priority,
             generator=generator,
         )
-        self.requests[request_id] = request
-        self._streams[request_id] = _Stream(
-            detokenizer=self.tokenizer.detokenizer(token_ids), max_stop_len=max((len(s) for s in params.stop), default=0)
+
+    def submit(self, request: Request) -> None:
+        """Queue a request made by `create_request`."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        params = request.params
+        self.requests[request.request_id] = request
+        self._streams[request.request_id] = _Stream(
+            detokenizer=self.tokenizer.detokenizer(request.prompt_token_ids),
+            max_stop_len=max((len(s) for s in params.stop), default=0),
         )
         self.scheduler.add(request)
-        return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now: its slot and blocks are freed; returns its final output (finish_reason 'abort')."""

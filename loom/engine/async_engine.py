@@ -1,0 +1,180 @@
+"""AsyncEngine: the step loop on its own thread, per-request asyncio streams for the HTTP server.
+
+The asyncio event loop never runs a model step: it only tokenizes/validates, puts commands (add, abort) on a
+queue and awaits outputs. The engine thread drains the queue between steps, runs `step()` while there is work
+and sleeps on an event (no busy spin) when there is none. An abort takes effect before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from loom.engine.engine import LLMEngine, RequestOutput
+from loom.sampling import SamplingParams
+
+log = logging.getLogger("loom.engine")
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is over its limit: try again later."""
+
+
+class EngineDead(Exception):
+    """The engine loop stopped on a fatal error; no request can be served."""
+
+
+@dataclass
+class _Add:
+    request: object  # loom.engine.request.Request
+    stream: asyncio.Queue
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class RequestStream:
+    """One request's outputs as they come; leaving `outputs()` early (disconnect, cancel) aborts the request."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, prompt_token_ids: list[int]) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            if not self.finished:
+                self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Thread-backed wrapper: `generate()` yields RequestOutputs as the engine produces them."""
+
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}  # touched only by the engine thread
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.on_abort: Callable[[RequestOutput], None] | None = None  # e.g. metrics; runs on the engine thread
+
+    # --- lifecycle ----------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="loom-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Abort whatever is still in flight and end the engine thread."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + self._commands.qsize()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    # --- requests -----------------------------------------------------------------------------------------------
+
+    def add(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
+    ) -> RequestStream:
+        """Validate now (ValueError on bad input, EngineOverloaded, EngineDead) and queue; stream outputs later."""
+        if not self.is_healthy:
+            raise EngineDead("the engine is not running")
+        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+            raise EngineOverloaded(f"{self.num_waiting} requests are already waiting (limit {self.max_waiting})")
+        request = self.engine.create_request(prompt, params, request_id, priority=priority)
+        stream = RequestStream(self, request.request_id, request.prompt_token_ids)
+        self._send(_Add(request, stream.queue))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._send(_Abort(request_id))
+
+    def _send(self, command: _Add | _Abort) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    # --- engine thread ------------------------------------------------------------------------------------------
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        if isinstance(item, BaseException) or item.finished:
+            del self._streams[request_id]
+        self._loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                try:
+                    self.engine.submit(command.request)
+                except ValueError as e:
+                    self._loop.call_soon_threadsafe(command.stream.put_nowait, e)
+                    continue
+                self._streams[command.request.request_id] = command.stream
+            else:
+                self._abort(command.request_id)
+
+    def _abort(self, request_id: str) -> None:
+        output = self.engine.abort(request_id)
+        if output is None:
+            return
+        if self.on_abort is not None:
+            self.on_abort(output)
+        self._deliver(request_id, output)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._wakeup.clear()
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait()
+                    continue
+                for output in self.engine.step():
+                    self._deliver(output.request_id, output)
+        except BaseException as e:  # a fatal engine failure: fail everyone, report unhealthy
+            log.exception("engine loop died")
+            self.error = e
+            for request_id in list(self._streams):
+                self._deliver(request_id, EngineDead(f"engine failure: {type(e).__name__}"))
+            return
+        for request_id in list(self.engine.requests):  # shutting down: end every stream cleanly
+            self._abort(request_id)

@@ -1,0 +1,399 @@
+"""OpenAI-compatible HTTP API over the AsyncEngine (FastAPI): completions, chat, models, tokenize, health, metrics.
+
+Bad input is a 4xx with OpenAI's error body for that request alone; overload is a 503 with Retry-After; a
+client that goes away has its request aborted in the engine, so its slot and blocks return at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loom.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestStream
+from loom.engine.engine import RequestOutput
+from loom.engine.request import TokenLogprob
+from loom.server.metrics import ServerMetrics
+from loom.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from loom.tokenizer import Tokenizer
+
+log = logging.getLogger("loom.server")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code, self.headers = (
+            status, message, type_, param, code, headers)
+
+
+def error_response(e: APIError) -> JSONResponse:
+    body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+
+class BodySizeLimit:
+    """Pure ASGI middleware: refuse request bodies over `max_bytes` (declared or streamed) with a 413."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_big = APIError(413, f"request body exceeds {self.max_bytes} bytes", code="request_too_large")
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await error_response(too_big)(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise APIError(413, too_big.message, code="request_too_large")
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except APIError as e:
+            await error_response(e)(scope, receive, send)
+
+
+def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
+               metrics_need_key: bool = False) -> FastAPI:
+    tokenizer: Tokenizer = engine.engine.tokenizer
+    max_model_len = engine.engine.max_model_len
+    metrics = ServerMetrics(engine)
+    engine.engine.step_observer = metrics.observe_step
+    engine.on_abort = metrics.finish
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="Loom", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+
+    # --- errors -------------------------------------------------------------------------------------------------
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        message = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body')}: {err.get('msg')}"
+                            for err in errors[:5])
+        return error_response(APIError(400, message or "invalid request", param=".".join(loc) or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return error_response(APIError(e.status_code, str(e.detail), type_="invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception):
+        log.exception("internal error on %s", request.url.path)
+        return error_response(APIError(500, "internal server error", type_="internal_error"))
+
+    def check_auth(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), api_key.encode()):
+            raise APIError(401, "invalid API key", type_="authentication_error", code="invalid_api_key")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(400, f"model {name!r} does not exist; this server serves {model_name!r}", param="model",
+                           code="model_not_found")
+
+    def add_streams(prompts: list[str | list[int]], n: int, make_params, base_id: str) -> list[RequestStream]:
+        """Queue n samples of every prompt; on any error, nothing stays queued."""
+        streams: list[RequestStream] = []
+        try:
+            for pi, prompt in enumerate(prompts):
+                for i in range(n):
+                    streams.append(engine.add(prompt, make_params(i), request_id=f"{base_id}-{pi}-{i}"))
+        except BaseException as e:
+            for s in streams:
+                engine.abort(s.request_id)
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e)) from e
+            if isinstance(e, EngineOverloaded):
+                raise APIError(503, str(e), type_="server_overloaded", code="overloaded",
+                               headers={"Retry-After": "1"}) from e
+            if isinstance(e, EngineDead):
+                raise APIError(503, str(e), type_="engine_unavailable", code="engine_dead") from e
+            raise
+        return streams
+
+    def log_finish(o: RequestOutput) -> None:
+        m = o.metrics
+        ttft = f"{1000 * m.ttft:.1f}ms" if m.ttft is not None else "-"
+        total = f"{1000 * (m.finish_time - m.arrival_time):.1f}ms" if m.finish_time else "-"
+        log.info("request %s: prompt_tokens=%d output_tokens=%d ttft=%s total=%s finish=%s", o.request_id,
+                 len(o.prompt_token_ids), len(o.token_ids), ttft, total, o.finish_reason)
+
+    async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Interleave several requests' outputs as they arrive, tagged with the choice index."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for output in stream.outputs():
+                    await queue.put((index, output))
+                await queue.put((index, None))
+            except Exception as e:
+                await queue.put((index, e))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    if item.finished:
+                        log_finish(item)
+                    yield index, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect_unless_disconnected(raw: Request, streams: list[RequestStream]) -> dict[int, RequestOutput]:
+        """Wait for every stream's final output; if the client goes away, abort them all."""
+        finals: dict[int, RequestOutput] = {}
+
+        async def collect() -> None:
+            async for index, output in merged(streams):
+                if output.finished:
+                    finals[index] = output
+
+        task = asyncio.create_task(collect())
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await raw.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise APIError(499, "client disconnected")
+        task.result()
+        return finals
+
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict:
+        tokens = [token_text(lp.token_id) for lp in lps]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{token_text(i): v for i, v in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(lps: list[TokenLogprob]) -> dict:
+        def entry(token_id: int, logprob: float) -> dict:
+            text = token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                            for lp in lps]}
+
+    def usage(streams: list[RequestStream], n: int, completion_tokens: int) -> dict:
+        prompt_tokens = sum(len(s.prompt_token_ids) for s in streams[::n])
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def sse(payload: dict) -> str:
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    # --- routes -------------------------------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_healthy:
+            raise APIError(503, "engine is not running", type_="engine_unavailable")
+        return {"status": "ok"}
+
+    @app.get("/metrics", dependencies=[Depends(check_auth)] if metrics_need_key else [])
+    async def metrics_route():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(check_auth)])
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "loom", "max_model_len": max_model_len}]}
+
+    @app.post("/tokenize", dependencies=[Depends(check_auth)])
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        try:
+            if body.messages is not None:
+                text = tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages])
+                tokens = tokenizer.encode(text, add_special_tokens=False)
+            else:
+                tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
+
+    @app.post("/detokenize", dependencies=[Depends(check_auth)])
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        vocab = engine.engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.post("/v1/completions", dependencies=[Depends(check_auth)])
+    async def completions(body: CompletionRequest, raw: Request):
+        check_model(body.model)
+        try:
+            prompts = body.prompts()
+            max_tokens = 16 if body.max_tokens is None else body.max_tokens
+            if body.logprobs is not None and not 0 <= body.logprobs <= 20:
+                raise ValueError("logprobs must be between 0 and 20")
+            body.sampling_params(max_tokens, body.logprobs)  # validate once before queueing anything
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        n = body.n
+        streams = add_streams(prompts, n, lambda i: body.sampling_params(max_tokens, body.logprobs, i), rid)
+        created = int(time.time())
+        echo_texts = [
+            (p if isinstance(p, str) else tokenizer.decode(p)) if body.echo else "" for p in prompts for _ in range(n)
+        ]
+
+        def choice(index: int, text: str, lps: list[TokenLogprob] | None, offset: int, reason: str | None) -> dict:
+            return {"index": index, "text": text,
+                    "logprobs": completion_logprobs(lps, offset) if lps is not None else None,
+                    "finish_reason": reason}
+
+        if not body.stream:
+            finals = await collect_unless_disconnected(raw, streams)
+            choices = []
+            for i in range(len(streams)):
+                o = finals[i]
+                lps = o.logprobs if body.logprobs is not None else None
+                choices.append(choice(i, echo_texts[i] + o.text, lps, len(echo_texts[i]), o.finish_reason))
+            completion_tokens = sum(len(o.token_ids) for o in finals.values())
+            return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": choices, "usage": usage(streams, n, completion_tokens)}
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        async def events() -> AsyncIterator[str]:
+            sent_lps = [0] * len(streams)
+            text_pos = [len(t) for t in echo_texts]
+            completion_tokens = 0
+            base = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
+            if body.echo:
+                for i, t in enumerate(echo_texts):
+                    yield sse({**base, "choices": [choice(i, t, None, 0, None)]})
+            async for i, o in merged(streams):
+                completion_tokens += len(o.new_token_ids)
+                lps = None
+                if body.logprobs is not None:
+                    lps = o.logprobs[sent_lps[i]:]
+                    sent_lps[i] = len(o.logprobs)
+                if o.new_text or lps or o.finished:
+                    yield sse({**base, "choices": [choice(i, o.new_text, lps, text_pos[i],
+                                                          o.finish_reason if o.finished else None)]})
+                    text_pos[i] += len(o.new_text)
+            if include_usage:
+                yield sse({**base, "choices": [], "usage": usage(streams, n, completion_tokens)})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        check_model(body.model)
+        try:
+            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            top = body.top_logprobs
+            if top is not None and not body.logprobs:
+                raise ValueError("top_logprobs requires logprobs to be true")
+            logprobs = (top or 0) if body.logprobs else None
+            text = tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages],
+                                                 add_generation_prompt=body.add_generation_prompt)
+            prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+            if max_tokens is None:  # OpenAI's default: as much as the context allows
+                max_tokens = max(1, max_model_len - len(prompt_ids))
+            body.sampling_params(max_tokens, logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        n = body.n
+        streams = add_streams([prompt_ids], n, lambda i: body.sampling_params(max_tokens, logprobs, i), rid)
+        created = int(time.time())
+
+        if not body.stream:
+            finals = await collect_unless_disconnected(raw, streams)
+            choices = [
+                {"index": i, "message": {"role": "assistant", "content": finals[i].text},
+                 "logprobs": chat_logprobs(finals[i].logprobs) if logprobs is not None else None,
+                 "finish_reason": finals[i].finish_reason}
+                for i in range(len(streams))
+            ]
+            completion_tokens = sum(len(o.token_ids) for o in finals.values())
+            return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
+                    "choices": choices, "usage": usage(streams, n, completion_tokens)}
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        async def events() -> AsyncIterator[str]:
+            base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
+            for i in range(len(streams)):
+                yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
+            sent_lps = [0] * len(streams)
+            completion_tokens = 0
+            async for i, o in merged(streams):
+                completion_tokens += len(o.new_token_ids)
+                lps = None
+                if logprobs is not None:
+                    lps = chat_logprobs(o.logprobs[sent_lps[i]:])
+                    sent_lps[i] = len(o.logprobs)
+                if o.new_text or o.finished or (lps and lps["content"]):
+                    delta = {"content": o.new_text} if o.new_text else {}
+                    yield sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": lps,
+                                                    "finish_reason": o.finish_reason if o.finished else None}]})
+            if include_usage:
+                yield sse({**base, "choices": [], "usage": usage(streams, n, completion_tokens)})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
