@@ -209,6 +209,12 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     def completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict:
         tokens = [token_text(lp.token_id) for lp in lps]
+        tops = []
+        for lp in lps:
+            top: dict[str, float] = {}
+            for token_id, value in lp.top:  # best first; two ids may share a text: keep the better one
+                top.setdefault(token_text(token_id), value)
+            tops.append(top)
         offsets, pos = [], offset
         for t in tokens:
             offsets.append(pos)
@@ -216,7 +222,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{token_text(i): v for i, v in lp.top} for lp in lps],
+            "top_logprobs": tops,
             "text_offset": offsets,
         }
 

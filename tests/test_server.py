@@ -1,0 +1,265 @@
+"""A real uvicorn server on a free loopback port, driven by the official `openai` client and by httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from loom import LLM, SamplingParams
+from loom.config import CacheConfig, EngineConfig, SchedulerConfig
+from loom.engine.async_engine import AsyncEngine
+from loom.engine.engine import LLMEngine
+from loom.server.app import create_app
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(loaded, max_num_seqs=16, num_kv_blocks=256, **app_kwargs):
+    engine = LLMEngine(EngineConfig(scheduler=SchedulerConfig(max_num_seqs, 256),
+                                    cache=CacheConfig(num_kv_blocks=num_kv_blocks)), loaded)
+    async_engine = AsyncEngine(engine, max_waiting=app_kwargs.pop("max_waiting", None))
+    app = create_app(async_engine, "tiny", **app_kwargs)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.02)
+    assert server.started
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", engine
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    with running_server(tiny_llama) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def smol_server(smollm2):
+    with running_server(smollm2, max_num_seqs=32, num_kv_blocks=512) as s:
+        yield s
+
+
+def _client(base: str, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+
+
+def _offline(loaded, prompts, params):
+    return LLM(loaded=loaded, num_kv_blocks=256).generate(prompts, params)
+
+
+def _wait_idle(engine: LLMEngine, timeout: float = 10.0) -> None:
+    deadline = time.time() + timeout
+    while (engine.has_unfinished_requests() or engine.pool.num_free_blocks != engine.pool.num_usable_blocks) \
+            and time.time() < deadline:
+        time.sleep(0.02)
+
+
+def test_completions_plain_and_streaming_match_offline(server, tiny_llama):
+    base, engine = server
+    client = _client(base)
+    prompt = "The capital of France is"
+    expected = _offline(tiny_llama, [prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert resp.choices[0].text == expected.text and resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 12 and resp.usage.prompt_tokens == len(expected.prompt_token_ids)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == 12
+    echo = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith(prompt)
+
+
+def test_stop_n_seed_and_logprobs(server, tiny_llama):
+    base, _ = server
+    client = _client(base)
+    full = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[6:9]
+    cut = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
+
+    many = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=1.0, n=3, seed=7,
+                                     extra_body={"ignore_eos": True})
+    again = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=1.0, n=3, seed=7,
+                                      extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in many.choices) == [0, 1, 2]
+    assert [c.text for c in many.choices] == [c.text for c in again.choices]  # seeded: reproducible
+    assert len({c.text for c in many.choices}) > 1  # n samples are independent
+
+    lp = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, temperature=0, logprobs=2,
+                                   extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert len(lp.tokens) == 5 and all(v <= 0 for v in lp.token_logprobs)
+    # Greedy: the chosen token is the best of the top-2 (two ids may share a text, so a dict may hold one key).
+    assert all(1 <= len(t) <= 2 and max(t.values()) == pytest.approx(lp.token_logprobs[i])
+               for i, t in enumerate(lp.top_logprobs))
+
+
+def test_chat_plain_streaming_and_logprobs_match_offline(smol_server, smollm2):
+    base, _ = smol_server
+    client = _client(base)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = smollm2.tokenizer.apply_chat_template(messages)
+    ids = smollm2.tokenizer.encode(text, add_special_tokens=False)
+    expected = _offline(smollm2, [ids], SamplingParams(max_tokens=16, temperature=0.0))[0]
+    resp = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    assert resp.choices[0].message.content == expected.text
+    assert len(resp.choices[0].logprobs.content) == len(expected.token_ids)
+    assert all(len(e.top_logprobs) == 2 for e in resp.choices[0].logprobs.content)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=16, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == expected.text
+
+
+def test_32_concurrent_streaming_clients_get_the_offline_outputs(smol_server, smollm2):
+    base, engine = smol_server
+    prompts = [f"Question {i}: tell me about the number {i * 7}." for i in range(32)]
+    max_tokens = [4 + (i * 5) % 17 for i in range(32)]
+    expected = _offline(smollm2, prompts, [SamplingParams(max_tokens=m, temperature=0.0) for m in max_tokens])
+
+    async def one(client: openai.AsyncOpenAI, prompt: str, m: int) -> str:
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=m, temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def main() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        return await asyncio.gather(*(one(client, p, m) for p, m in zip(prompts, max_tokens)))
+
+    assert asyncio.run(main()) == [e.text for e in expected]
+    _wait_idle(engine)
+    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
+
+
+def test_client_disconnect_frees_blocks_and_others_finish(server):
+    base, engine = server
+
+    async def main():
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            async def quitter():
+                body = {"prompt": "Once upon a time", "max_tokens": 400, "stream": True, "ignore_eos": True}
+                async with client.stream("POST", "/v1/completions", json=body) as resp:
+                    n = 0
+                    async for line in resp.aiter_lines():
+                        n += line.startswith("data:")
+                        if n >= 3:
+                            break  # hang up mid-stream
+
+            async def stayer():
+                r = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 30,
+                                                                 "ignore_eos": True, "temperature": 0})
+                return r.json()
+
+            _, stayed = await asyncio.gather(quitter(), stayer())
+            return stayed
+
+    stayed = asyncio.run(main())
+    assert stayed["usage"]["completion_tokens"] == 30
+    _wait_idle(engine)
+    assert not engine.has_unfinished_requests()
+    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "a"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "context length"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 400, "does not exist"),
+    ("/v1/completions", {"prompt": ""}, 400, "empty"),
+    ("/v1/completions", {"prompt": [5, 999999]}, 400, "token ids"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("/detokenize", {"tokens": [-1]}, 400, "token"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, needle", BAD_REQUESTS)
+def test_bad_input_gets_openai_error_and_server_keeps_serving(server, path, body, status, needle):
+    base, _ = server
+    r = httpx.post(base + path, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and needle in err["message"] + str(err["param"])
+    ok = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_malformed_and_oversized_bodies(server):
+    base, _ = server
+    r = httpx.post(base + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(base + "/v1/completions", content=b'{"prompt": "\xff\xfe"}', headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    big = json.dumps({"prompt": "x" * (2 << 20)})
+    r = httpx.post(base + "/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_models_tokenize_detokenize_health_metrics(server):
+    base, _ = server
+    assert httpx.get(base + "/health").status_code == 200
+    assert httpx.get(base + "/v1/models").json()["data"][0]["id"] == "tiny"
+    toks = httpx.post(base + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert toks["count"] == len(toks["tokens"]) > 0
+    assert httpx.post(base + "/detokenize", json={"tokens": toks["tokens"]}).json()["prompt"] == "Hello world"
+    httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True}, timeout=30)
+    text = httpx.get(base + "/metrics").text
+    for name in ("loom_requests_running", "loom_requests_waiting", "loom_kv_cache_usage_perc",
+                 "loom_prompt_tokens_total", "loom_generation_tokens_total", "loom_preemptions_total",
+                 "loom_time_to_first_token_seconds_bucket", "loom_inter_token_latency_seconds_bucket",
+                 "loom_e2e_request_latency_seconds_bucket", "loom_request_queue_time_seconds_bucket"):
+        assert name in text
+    generated = [line for line in text.splitlines() if line.startswith("loom_generation_tokens_total")]
+    assert float(generated[0].split()[-1]) >= 3
+
+
+def test_api_key(tiny_llama):
+    with running_server(tiny_llama, api_key="sekrit") as (base, _):
+        assert httpx.get(base + "/health").status_code == 200
+        assert httpx.get(base + "/v1/models").status_code == 401
+        r = httpx.post(base + "/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        ok = _client(base, "sekrit").completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert ok.choices[0].text is not None
+
+
+def test_overload_gets_503_with_retry_after_then_recovers(tiny_llama):
+    with running_server(tiny_llama, max_num_seqs=1, max_waiting=1) as (base, engine):
+        async def burst():
+            async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+                body = {"prompt": "hi", "max_tokens": 40, "ignore_eos": True}
+                return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(8)))
+
+        codes = [r.status_code for r in asyncio.run(burst())]
+        refused = [r for r in codes if r == 503]
+        assert refused and codes.count(200) >= 1 and set(codes) <= {200, 503}
+        r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200
+        _wait_idle(engine)
+        assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
