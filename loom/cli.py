@@ -56,6 +56,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import ipaddress
     import logging
+    import signal
 
     import uvicorn
 
@@ -82,7 +83,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger("loom.server").warning(
             "binding %s without --api-key: anyone who can reach this port can use the model", args.host)
     app = create_app(AsyncEngine(engine, max_waiting=args.max_waiting), name, api_key=args.api_key,
-                     max_body_bytes=args.max_body_bytes)
+                     max_body_bytes=args.max_body_bytes, open_metrics=args.open_metrics)
+    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the handler it found: make that a no-op so
+    # a clean drain exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
@@ -129,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-kv-blocks", type=int, default=None)
     s.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache (default 1)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    s.add_argument("--open-metrics", action="store_true", help="serve /metrics without the API key")
     s.add_argument("--max-waiting", type=int, default=None, help="refuse with 503 + Retry-After beyond this queue")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20)
     s.add_argument("--served-model-name", default=None)

@@ -243,6 +243,8 @@ def test_api_key(tiny_llama):
     with running_server(tiny_llama, api_key="sekrit") as (base, _):
         assert httpx.get(base + "/health").status_code == 200
         assert httpx.get(base + "/v1/models").status_code == 401
+        assert httpx.get(base + "/metrics").status_code == 401
+        assert httpx.get(base + "/metrics", headers={"Authorization": "Bearer sekrit"}).status_code == 200
         r = httpx.post(base + "/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         ok = _client(base, "sekrit").completions.create(model="tiny", prompt="hi", max_tokens=2)
@@ -263,3 +265,39 @@ def test_overload_gets_503_with_retry_after_then_recovers(tiny_llama):
         assert r.status_code == 200
         _wait_idle(engine)
         assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_zero(tiny_llama_dir):
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loom.cli", "serve", str(tiny_llama_dir), "--port", str(port), "--shutdown-timeout", "20"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = {"prompt": "Once upon a time", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data:")
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]"
+        reasons = [json.loads(x[5:])["choices"][0]["finish_reason"] for x in rest[:-1]]
+        assert reasons[-1] in ("length", "abort")
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.stdout.read()
+    assert "request cmpl-" in log  # the per-request log line

@@ -75,7 +75,7 @@ class BodySizeLimit:
 
 
 def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
-               metrics_need_key: bool = False) -> FastAPI:
+               open_metrics: bool = False) -> FastAPI:
     tokenizer: Tokenizer = engine.engine.tokenizer
     max_model_len = engine.engine.max_model_len
     metrics = ServerMetrics(engine)
@@ -250,7 +250,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError(503, "engine is not running", type_="engine_unavailable")
         return {"status": "ok"}
 
-    @app.get("/metrics", dependencies=[Depends(check_auth)] if metrics_need_key else [])
+    @app.get("/metrics", dependencies=[] if open_metrics else [Depends(check_auth)])
     async def metrics_route():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
