@@ -36,6 +36,7 @@ def test_tiny_models_match_transformers(tiny_model_dir, backend):
     assert got == expected
 
 
+@pytest.mark.slow
 def test_smollm2_article_prompts_match_transformers(smollm2, hf_smollm2):
     hf_model, hf_tok = hf_smollm2
     llm = LLM(loaded=smollm2, max_num_seqs=3)
