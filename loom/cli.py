@@ -50,6 +50,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     console = Console(no_color=args.plain, soft_wrap=True, highlight=False)
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads))
     static, continuous = run_demo(engine, console)
+    if args.plot:
+        from loom.bench.plots import slot_timeline
+        from loom.demo import NUM_SLOTS
+
+        path = slot_timeline({"static": static.trace, "continuous": continuous.trace}, NUM_SLOTS,
+                             f"{args.plot}/demo_timeline.png", "the article's six requests on 3 slots")
+        console.print(f"wrote {path}")
     return 0 if static.texts == continuous.texts else 1
 
 
@@ -98,6 +105,17 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from loom.bench.serve_client import main as bench_main
+
+    return bench_main(args)
+
+
+def _int_pair(text: str) -> list[int]:
+    low, high = (int(x) for x in text.split(","))
+    return [low, high]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loom", description="Continuous-batching LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="the article's static vs continuous experiment on the bundled model")
     d.add_argument("--plain", action="store_true", help="no colour (for logs); also automatic when not a terminal")
+    d.add_argument("--plot", metavar="DIR", default=None, help="write the static vs continuous timeline PNG here")
     d.add_argument("--model", default=None)
     d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     d.add_argument("--threads", type=int, default=None)
@@ -151,6 +170,24 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--policies", default="static,continuous")
     _engine_args(off)
     off.set_defaults(func=cmd_bench_offline)
+
+    sv = bsub.add_parser("serve", help="online benchmark client for any OpenAI-compatible server")
+    sv.add_argument("--base-url", default="http://127.0.0.1:8000")
+    sv.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    sv.add_argument("--api-key", default=None)
+    sv.add_argument("--workload", default="mixed", help="article, mixed, or a JSONL file of {prompt, max_tokens}")
+    sv.add_argument("--num-requests", type=int, default=200)
+    sv.add_argument("--prompt-len", type=_int_pair, default=[20, 400], metavar="LOW,HIGH")
+    sv.add_argument("--output-len", type=_int_pair, default=[16, 256], metavar="LOW,HIGH")
+    sv.add_argument("--tokenizer-model", default=None, help="model whose tokenizer builds the mixed prompts")
+    sv.add_argument("--concurrency", default=None, help="clients at once; a list (1,8,32) runs a sweep")
+    sv.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (seeded)")
+    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--slo-ttft-ms", type=float, default=None)
+    sv.add_argument("--slo-tpot-ms", type=float, default=None)
+    sv.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    sv.add_argument("--plot", metavar="DIR", default=None, help="throughput / latency vs concurrency PNGs")
+    sv.set_defaults(func=cmd_bench_serve)
     return parser
 
 

@@ -17,6 +17,7 @@ from loom.config import SchedulerConfig
 from loom.engine.engine import LLMEngine, RequestOutput
 from loom.engine.runner import StepResult
 from loom.engine.scheduler import SchedulerOutput
+from loom.engine.trace import StepRecord, StepTracer
 from loom.sampling import SamplingParams
 from loom.viz import mask_lines, packed_row_lines
 
@@ -40,6 +41,7 @@ class DemoRun:
     useful_tokens: int
     pad_tokens: int
     figures: list[int] = field(default_factory=list)  # steps whose packed row was drawn
+    trace: list[StepRecord] = field(default_factory=list)
 
 
 def run_policy(engine: LLMEngine, policy: str, console: Console, draw: bool) -> DemoRun:
@@ -91,19 +93,20 @@ def run_policy(engine: LLMEngine, policy: str, console: Console, draw: bool) -> 
                     "red",
                 )
 
-    engine.step_observer = observe
     ids = [
         engine.add_request(p, SamplingParams(max_tokens=cap, temperature=0.0), request_id=str(i))
         for i, (p, cap) in enumerate(ARTICLE_REQUESTS)
     ]
     texts: dict[str, str] = {}
+    tracer = StepTracer(engine)
     started = time.perf_counter()
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                texts[o.request_id] = o.text
+    with engine.observing(observe), engine.observing(tracer):
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    texts[o.request_id] = o.text
     run.seconds = time.perf_counter() - started
-    engine.step_observer = None
+    run.trace = tracer.records
     run.texts = [texts[i] for i in ids]
     return run
 

@@ -72,7 +72,7 @@ def drive(engine: LLMEngine, workload, arrivals: list[int], check_steps: bool = 
                 violations.append(f"step {out.step}: decode of {r.request_id} skipped")
 
     if check_steps:
-        engine.step_observer = observe
+        engine.step_observers.append(observe)
     step = 0
     pending = sorted(range(len(workload)), key=lambda i: arrivals[i])
     while pending or engine.has_unfinished_requests():
@@ -154,7 +154,7 @@ def test_static_admits_nobody_before_the_wave_ends(tiny_llama):
             if o.finished:
                 finished_at[o.request_id] = out.step
 
-    engine.step_observer = observe
+    engine.step_observers.append(observe)
     for i, n in enumerate((2, 10, 3, 3)):
         engine.add_request([5, 6, 7], greedy(n), request_id=str(i))
     while engine.has_unfinished_requests():
@@ -172,7 +172,7 @@ def test_continuous_admits_on_the_step_a_slot_frees(tiny_llama):
         events.extend((out.step, "admit", r.request_id) for r in out.admitted)
         events.extend((out.step, "finish", o.request_id) for o in outputs if o.finished)
 
-    engine.step_observer = observe
+    engine.step_observers.append(observe)
     for i, n in enumerate((2, 10, 3)):
         engine.add_request([5, 6, 7], greedy(n), request_id=str(i))
     while engine.has_unfinished_requests():
@@ -191,11 +191,11 @@ def test_long_prompt_is_chunked_and_decodes_keep_running(tiny_llama, alone_outpu
             if s.request.request_id == "1":
                 chunks.append(len(s.token_ids))
 
-    engine.step_observer = observe
+    engine.step_observers.append(observe)
     short, long_prompt = [9, 8, 7], list(range(1, 101))
     workload = [(short, 20), (long_prompt, 4)]
     done = drive(engine, workload, [0, 2], check_steps=False)
-    engine.step_observer = None
+    engine.step_observers.clear()
     assert chunks[0] < 16 and max(chunks) <= 16 and sum(chunks[:-3]) >= 100 - 16
     assert len([c for c in chunks if c > 1]) >= 100 // 16  # the prompt went in over several steps
     assert done[0] == alone_outputs(short, 20) and done[1] == alone_outputs(long_prompt, 4)
@@ -223,7 +223,7 @@ def test_preempted_request_goes_back_to_waiting_first(tiny_llama):
     for i in range(3):
         engine.add_request([3, 4, 5, 6], greedy(12), request_id=str(i))
     preempted = []
-    engine.step_observer = lambda out, *rest: preempted.extend(out.preempted)
+    engine.step_observers.append(lambda out, *rest: preempted.extend(out.preempted))
     while engine.has_unfinished_requests():
         engine.step()
         for r in preempted:

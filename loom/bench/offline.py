@@ -28,19 +28,18 @@ def run_once(engine: LLMEngine, requests: list[BenchRequest], policy: str, max_n
         pad += out.num_pad_tokens
         prompt_tokens += out.num_prefill_tokens
 
-    engine.step_observer = observe
     started = time.perf_counter()
     ids = [
         engine.add_request(r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
         for r in requests
     ]
     done = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
+    with engine.observing(observe):
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = o
     seconds = time.perf_counter() - started
-    engine.step_observer = None
     outputs = [done[i] for i in ids]
     out_tokens = sum(len(o.token_ids) for o in outputs)
     assert all(len(o.token_ids) == r.max_tokens for o, r in zip(outputs, requests)), "ignore_eos run cut short"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -88,7 +89,16 @@ class LLMEngine:
         self.scheduler = self._make_scheduler(self.config.scheduler)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, _Stream] = {}
-        self.step_observer: StepObserver | None = None
+        self.step_observers: list[StepObserver] = []  # called after every step (metrics, traces, demos)
+
+    @contextmanager
+    def observing(self, observer: StepObserver) -> Iterator[None]:
+        """Call `observer` after every step inside the with-block."""
+        self.step_observers.append(observer)
+        try:
+            yield
+        finally:
+            self.step_observers.remove(observer)
 
     def _make_scheduler(self, config: SchedulerConfig) -> Scheduler:
         cls = StaticScheduler if config.policy == "static" else ContinuousScheduler
@@ -206,8 +216,9 @@ class LLMEngine:
                     request.first_token_time = now
                 self._append_token(request, token, logprob)
                 outputs.append(self._output(request, final=request.is_finished))
-        if self.step_observer is not None:
-            self.step_observer(out, result, outputs, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        for observer in self.step_observers:
+            observer(out, result, outputs, seconds)
         for o in outputs:
             if o.finished:
                 self._forget(o.request_id)

@@ -23,6 +23,7 @@ class ScheduledRequest:
     start_position: int
     block_ids: list[int]
     sample: bool  # the chunk reaches the request's last token, so a new token is sampled from it
+    slot: int  # the request's place in the running set this step
 
     @property
     def is_decode(self) -> bool:
@@ -35,6 +36,7 @@ class SchedulerOutput:
     step: int
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_pad_tokens: int = 0  # static batching only: wasted tokens computed to keep the wave rectangular
+    padding_slots: list[tuple[int, str]] = field(default_factory=list)  # static: (slot, finished request) idling
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
@@ -125,6 +127,7 @@ class Scheduler:
                 start_position=start,
                 block_ids=request.block_ids,
                 sample=end == request.num_tokens,
+                slot=request.slot,
             )
         )
 
@@ -194,18 +197,21 @@ class StaticScheduler(Scheduler):
     def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int) -> None:
         super().__init__(config, pool, block_size)
         self.wave: list[Request] = []
+        self._wave_slots: dict[str, int] = {}
         self.num_pad_tokens = 0
 
     def schedule(self) -> SchedulerOutput:
         out = self._next_output()
         if all(r.is_finished for r in self.wave):
             self.wave = []
+            self._wave_slots = {}
             while self.waiting and len(self.wave) < self.config.max_num_seqs:
                 request = self.waiting[0]
                 if not self._try_allocate(request, request.num_prompt_tokens + request.params.max_tokens):
                     break
                 self._admit(request, out)
                 self.wave.append(request)
+                self._wave_slots[request.request_id] = request.slot
         if not self.wave:
             return out
 
@@ -219,6 +225,7 @@ class StaticScheduler(Scheduler):
             for r in self.wave:
                 if r.is_finished:
                     out.num_pad_tokens += 1
+                    out.padding_slots.append((self._wave_slots[r.request_id], r.request_id))
                 else:
                     self._schedule_chunk(r, 1, out)
         self.num_pad_tokens += out.num_pad_tokens

@@ -79,7 +79,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     tokenizer: Tokenizer = engine.engine.tokenizer
     max_model_len = engine.engine.max_model_len
     metrics = ServerMetrics(engine)
-    engine.engine.step_observer = metrics.observe_step
+    engine.engine.step_observers.append(metrics.observe_step)
     engine.on_abort = metrics.finish
 
     @asynccontextmanager

@@ -1,0 +1,86 @@
+"""Step trace: what each step ran (per slot), how long it took and how full the KV pool was.
+
+Recording is a step observer, so it costs nothing when not attached. Export as Chrome trace-event JSON
+(opens in Perfetto / chrome://tracing) with one complete event per step.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from loom.engine.engine import LLMEngine, RequestOutput
+from loom.engine.runner import StepResult
+from loom.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class SlotUse:
+    slot: int
+    request_id: str
+    kind: str  # "prefill", "decode" or "padding"
+
+
+@dataclass
+class StepRecord:
+    step: int
+    start: float  # seconds since the trace began
+    duration: float
+    prefill_tokens: int
+    decode_tokens: int
+    pad_tokens: int
+    num_scheduled: int
+    running: int
+    waiting: int
+    blocks_used: int
+    blocks_total: int
+    slots: list[SlotUse] = field(default_factory=list)
+
+
+class StepTracer:
+    """Attach with `engine.observing(tracer)`; read `records` afterwards."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.records: list[StepRecord] = []
+        self._t0 = time.perf_counter()
+
+    def __call__(self, out: SchedulerOutput, result: StepResult | None, outputs: list[RequestOutput],
+                 seconds: float) -> None:
+        end = time.perf_counter() - self._t0
+        scheduler, pool = self.engine.scheduler, self.engine.pool
+        slots = [
+            SlotUse(s.slot, s.request.request_id, "decode" if s.is_decode else "prefill")
+            for s in out.scheduled
+        ]
+        slots += [SlotUse(slot, rid, "padding") for slot, rid in out.padding_slots]
+        self.records.append(StepRecord(
+            step=out.step,
+            start=end - seconds,
+            duration=seconds,
+            prefill_tokens=out.num_prefill_tokens,
+            decode_tokens=out.num_scheduled_tokens - out.num_prefill_tokens,
+            pad_tokens=out.num_pad_tokens,
+            num_scheduled=len(out.scheduled),
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            blocks_used=pool.num_used_blocks,
+            blocks_total=pool.num_usable_blocks,
+            slots=slots,
+        ))
+
+    def to_chrome_trace(self) -> dict:
+        events = []
+        for r in self.records:
+            args = {k: v for k, v in asdict(r).items() if k not in ("slots", "start", "duration")}
+            events.append({"name": f"step {r.step}", "cat": "step", "ph": "X", "pid": 1, "tid": 1,
+                           "ts": round(r.start * 1e6, 3), "dur": round(r.duration * 1e6, 3), "args": args})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def save_chrome_trace(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_chrome_trace()))
+        return path

@@ -1,0 +1,94 @@
+"""Benchmark arithmetic on hand-made records, the serve client against a real server, traces and plots."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from loom import EngineConfig, LLMEngine, SamplingParams
+from loom.bench.plots import kv_usage, slot_timeline, throughput_vs
+from loom.bench.serve_client import run_benchmark
+from loom.bench.stats import RequestRecord, distribution, summarize
+from loom.bench.workloads import BenchRequest, jsonl_workload
+from loom.config import CacheConfig, SchedulerConfig
+from loom.engine.trace import StepTracer
+from test_server import running_server
+
+
+def test_distribution_percentiles():
+    d = distribution([1.0, 2.0, 3.0, 4.0, 10.0], scale=1.0)
+    assert d == {"mean": 4.0, "median": 3.0, "p90": pytest.approx(7.6), "p99": pytest.approx(9.76)}
+    assert distribution([]) == {"mean": None, "median": None, "p90": None, "p99": None}
+
+
+def test_summary_throughput_latency_and_goodput():
+    records = [
+        # TTFT 0.1 s, 5 tokens, last at 0.5 s: TPOT (0.5 - 0.1) / 4 = 0.1 s
+        RequestRecord(start=0.0, end=0.5, output_tokens=5, prompt_tokens=10, first_token=0.1,
+                      chunk_times=[0.1, 0.2, 0.3, 0.4, 0.5]),
+        # TTFT 1.0 s, 3 tokens: TPOT 0.5 s
+        RequestRecord(start=0.0, end=2.0, output_tokens=3, prompt_tokens=20, first_token=1.0,
+                      chunk_times=[1.0, 1.5, 2.0]),
+        RequestRecord(start=0.0, end=0.1, error="HTTP 503"),
+    ]
+    s = summarize(records, duration=2.0, slo_ttft_ms=500, slo_tpot_ms=200)
+    assert s["completed"] == 2 and s["failed"] == 1
+    assert s["output_token_throughput"] == 4.0 and s["total_token_throughput"] == 19.0
+    assert s["request_throughput"] == 1.0
+    assert s["ttft_ms"]["mean"] == pytest.approx(550.0)
+    assert s["tpot_ms"]["median"] == pytest.approx(300.0)
+    assert s["itl_ms"]["median"] == pytest.approx(100.0) and s["itl_ms"]["mean"] == pytest.approx(1.4 / 6 * 1000)  # 4 x 0.1 s and 2 x 0.5 s
+    assert s["e2e_ms"]["p99"] == pytest.approx(1985.0)
+    assert s["goodput"] == 0.5  # only the first request meets both SLOs
+
+
+def test_jsonl_workload(tmp_path):
+    f = tmp_path / "w.jsonl"
+    f.write_text('{"prompt": "hi", "max_tokens": 3}\n\n{"prompt": [1, 2], "max_tokens": 4}\n')
+    assert jsonl_workload(f) == [BenchRequest("hi", 3), BenchRequest([1, 2], 4)]
+    f.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(ValueError, match="max_tokens"):
+        jsonl_workload(f)
+
+
+def test_serve_client_against_a_real_server(tiny_llama):
+    requests = [BenchRequest("Once upon a time", 5 + i) for i in range(6)] + [BenchRequest([5, 6, 7], 4)]
+    with running_server(tiny_llama) as (base, _):
+        records, duration = asyncio.run(run_benchmark(base, requests, concurrency=3))
+        poisson, _ = asyncio.run(run_benchmark(base, requests[:3], request_rate=50.0, seed=1))
+    assert all(r.ok for r in records + poisson), [r.error for r in records]
+    assert [r.output_tokens for r in records] == [r.max_tokens for r in requests]
+    s = summarize(records, duration)
+    assert s["completed"] == 7 and s["output_tokens"] == sum(r.max_tokens for r in requests)
+    assert s["ttft_ms"]["median"] > 0 and s["tpot_ms"]["median"] > 0
+
+
+def test_trace_has_one_event_per_step_and_plots_are_written(tiny_llama, tmp_path):
+    engine = LLMEngine(EngineConfig(scheduler=SchedulerConfig(3, 64, "static"), cache=CacheConfig(num_kv_blocks=64)),
+                       tiny_llama)
+    traces = {}
+    for policy in ("static", "continuous"):
+        engine.set_scheduler(SchedulerConfig(3, 64, policy))
+        tracer = StepTracer(engine)
+        with engine.observing(tracer):
+            for n in (3, 9, 4, 6):
+                engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            steps = 0
+            while engine.has_unfinished_requests():
+                engine.step()
+                steps += 1
+        traces[policy] = tracer.records
+        trace = json.loads(tracer.save_chrome_trace(tmp_path / f"{policy}.json").read_text())
+        assert len(trace["traceEvents"]) == steps
+        assert all(e["ph"] == "X" and e["dur"] >= 0 for e in trace["traceEvents"])
+    assert any(u.kind == "padding" for r in traces["static"] for u in r.slots)
+    assert not any(u.kind == "padding" for r in traces["continuous"] for u in r.slots)
+    paths = [
+        slot_timeline(traces, 3, tmp_path / "timeline.png"),
+        kv_usage(traces, tmp_path / "kv.png"),
+        throughput_vs([1, 8, 32], {"loom": [10.0, 50.0, 90.0]}, "clients", "tok/s", tmp_path / "t.png", "t"),
+    ]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
