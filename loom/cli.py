@@ -168,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--seed", type=int, default=0)
     off.add_argument("--dtypes", default="float32,bfloat16")
     off.add_argument("--policies", default="static,continuous")
+    off.add_argument("--peers", choices=["none", "hf"], default="none", help="hf: transformers generate / generate_batch")
+    off.add_argument("--hf-requests", type=int, default=16, help="the peer runs on this many first requests")
+    off.add_argument("--sweep", default=None, metavar="KEY=V1,V2", help="e.g. max_num_seqs=1,4,16,64 (continuous)")
+    off.add_argument("--plot", metavar="DIR", default=None, help="timeline, KV usage and sweep PNGs")
+    off.add_argument("--trace", metavar="DIR", default=None, help="Chrome trace-event JSON per run")
     _engine_args(off)
     off.set_defaults(func=cmd_bench_offline)
 

@@ -1,7 +1,8 @@
-"""`loom bench offline`: static vs continuous batching on the same engine, float32 and bfloat16, JSON lines.
+"""`loom bench offline`: engines side by side on one workload in one process, one JSON line per run.
 
-Each run prints one JSON object; a final line per workload and dtype gives the continuous/static ratio and
-whether both policies produced identical greedy tokens (they must).
+Loom static vs Loom continuous (per dtype) on the same engine; optionally Hugging Face transformers as the peer
+(static `generate` waves and its own `generate_batch`) on the first `--hf-requests` requests, next to Loom
+continuous on that same subset; optionally a sweep of one scheduler limit. Greedy outputs must agree.
 """
 
 from __future__ import annotations
@@ -9,32 +10,28 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 from loom.bench.workloads import BenchRequest, article_workload, mixed_workload
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.engine.engine import LLMEngine
+from loom.engine.trace import StepTracer
 from loom.model.loader import load_model
 from loom.sampling import SamplingParams
 
 
 def run_once(engine: LLMEngine, requests: list[BenchRequest], policy: str, max_num_seqs: int,
-             max_num_batched_tokens: int) -> tuple[dict, list[list[int]]]:
+             max_num_batched_tokens: int) -> tuple[dict, list[list[int]], StepTracer]:
+    """Every request greedy with ignore_eos (so each generates exactly max_tokens), timed end to end."""
     engine.set_scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy))
-    steps = pad = prompt_tokens = 0
-
-    def observe(out, result, outputs, seconds):
-        nonlocal steps, pad, prompt_tokens
-        steps += 1
-        pad += out.num_pad_tokens
-        prompt_tokens += out.num_prefill_tokens
-
+    tracer = StepTracer(engine)
     started = time.perf_counter()
     ids = [
         engine.add_request(r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
         for r in requests
     ]
     done = {}
-    with engine.observing(observe):
+    with engine.observing(tracer):
         while engine.has_unfinished_requests():
             for o in engine.step():
                 if o.finished:
@@ -42,47 +39,114 @@ def run_once(engine: LLMEngine, requests: list[BenchRequest], policy: str, max_n
     seconds = time.perf_counter() - started
     outputs = [done[i] for i in ids]
     out_tokens = sum(len(o.token_ids) for o in outputs)
-    assert all(len(o.token_ids) == r.max_tokens for o, r in zip(outputs, requests)), "ignore_eos run cut short"
+    if any(len(o.token_ids) != r.max_tokens for o, r in zip(outputs, requests)):
+        raise RuntimeError("an ignore_eos request returned fewer tokens than asked")
     ttfts = sorted(o.metrics.ttft for o in outputs)
+    records = tracer.records
     return {
-        "policy": policy,
+        "system": f"loom-{policy}",
         "seconds": round(seconds, 3),
         "output_tokens": out_tokens,
         "output_tokens_per_s": round(out_tokens / seconds, 2),
-        "prefill_tokens": prompt_tokens,
-        "pad_tokens": pad,
-        "steps": steps,
+        "prefill_tokens": sum(r.prefill_tokens for r in records),
+        "pad_tokens": sum(r.pad_tokens for r in records),
+        "steps": len(records),
         "ttft_p50_s": round(ttfts[len(ttfts) // 2], 3),
-        "preemptions": engine.scheduler.num_preemptions,
-    }, [o.token_ids for o in outputs]
+        "peak_kv_blocks_used": max((r.blocks_used for r in records), default=0),
+    }, [o.token_ids for o in outputs], tracer
+
+
+def _emit(line: dict) -> None:
+    print(json.dumps(line), flush=True)
+
+
+def _hf_peer(args, loaded, requests: list[BenchRequest], max_num_seqs: int, engine: LLMEngine, name: str) -> bool:
+    from loom.bench.hf_peer import hf_continuous, hf_static, load_hf_model
+
+    subset = requests[: args.hf_requests]
+    prompts = [r.prompt if isinstance(r.prompt, list) else loaded.tokenizer.encode(r.prompt) for r in subset]
+    loom_line, loom_tokens, _ = run_once(engine, subset, "continuous", max_num_seqs, args.max_num_batched_tokens)
+    base = {"workload": name, "dtype": "float32", "requests": len(subset), "max_num_seqs": max_num_seqs}
+    _emit({**base, **loom_line, "system": "loom-continuous(subset)"})
+    model = load_hf_model(args.model)
+    pad = loaded.tokenizer.eos_token_ids[0] if loaded.tokenizer.eos_token_ids else 0
+    ok = True
+    seconds, tokens = hf_static(model, prompts, subset, max_num_seqs, pad)
+    useful = sum(r.max_tokens for r in subset)
+    _emit({**base, "system": "hf-generate-static", "seconds": round(seconds, 3), "output_tokens": useful,
+           "output_tokens_per_s": round(useful / seconds, 2),
+           "loom_continuous_over_this": round(loom_line["output_tokens_per_s"] * seconds / useful, 3),
+           "identical_outputs_to_loom": tokens == loom_tokens})
+    ok &= tokens == loom_tokens
+    try:
+        seconds, tokens, generated = hf_continuous(model, prompts, subset)
+    except Exception as e:  # generate_batch is new and version-dependent: report, do not crash the run
+        _emit({**base, "system": "hf-generate-batch", "error": f"{type(e).__name__}: {e}"})
+        return ok
+    _emit({**base, "system": "hf-generate-batch", "seconds": round(seconds, 3), "output_tokens": useful,
+           "generated_tokens": generated, "output_tokens_per_s": round(useful / seconds, 2),
+           "generated_tokens_per_s": round(generated / seconds, 2),
+           "loom_continuous_over_this": round(loom_line["output_tokens_per_s"] * seconds / useful, 3),
+           "identical_outputs_to_loom": tokens == loom_tokens})
+    return ok & (tokens == loom_tokens)
 
 
 def main(args: argparse.Namespace) -> int:
     loaded = load_model(args.model)
-    workloads = {"article": (article_workload(), 3), "mixed": (
-        mixed_workload(loaded.tokenizer, args.num_requests, seed=args.seed), args.max_num_seqs)}
+    workloads = {
+        "article": (article_workload(), 3),
+        "mixed": (mixed_workload(loaded.tokenizer, args.num_requests, seed=args.seed), args.max_num_seqs),
+    }
     names = list(workloads) if args.workload == "all" else [args.workload]
+    plot_dir = Path(args.plot) if args.plot else None
     ok = True
     for dtype in args.dtypes.split(","):
         engine = LLMEngine(EngineConfig(dtype=dtype, num_threads=args.threads,
                                         cache=CacheConfig(num_kv_blocks=args.num_kv_blocks)), loaded)
         for name in names:
             requests, seqs = workloads[name]
-            results, tokens = {}, {}
+            results, tokens, traces = {}, {}, {}  # traces: policy -> StepTracer
+            base = {"workload": name, "dtype": dtype, "requests": len(requests), "max_num_seqs": seqs}
             for policy in args.policies.split(","):
-                results[policy], tokens[policy] = run_once(engine, requests, policy, seqs, args.max_num_batched_tokens)
-                print(json.dumps({"workload": name, "dtype": dtype, "requests": len(requests), "max_num_seqs": seqs,
-                                  **results[policy]}), flush=True)
+                results[policy], tokens[policy], traces[policy] = run_once(
+                    engine, requests, policy, seqs, args.max_num_batched_tokens)
+                _emit({**base, **results[policy]})
+                if args.trace:
+                    traces[policy].save_chrome_trace(Path(args.trace) / f"{name}-{dtype}-{policy}.json")
             if {"static", "continuous"} <= set(results):
                 same = tokens["static"] == tokens["continuous"]
                 ok &= same
-                print(json.dumps({
-                    "workload": name, "dtype": dtype, "summary": True,
-                    "continuous_over_static_tokens_per_s": round(
-                        results["continuous"]["output_tokens_per_s"] / results["static"]["output_tokens_per_s"], 3),
-                    "static_pad_fraction": round(results["static"]["pad_tokens"] / (
-                        results["static"]["pad_tokens"] + results["static"]["prefill_tokens"]
-                        + results["static"]["output_tokens"]), 3),
-                    "identical_outputs": same,
-                }), flush=True)
+                st = results["static"]
+                _emit({**base, "summary": True,
+                       "continuous_over_static": round(results["continuous"]["output_tokens_per_s"]
+                                                       / st["output_tokens_per_s"], 3),
+                       "static_pad_fraction": round(st["pad_tokens"] / (st["pad_tokens"] + st["prefill_tokens"]
+                                                                        + st["output_tokens"]), 3),
+                       "identical_outputs": same})
+            if plot_dir is not None and traces:
+                from loom.bench.plots import kv_usage, slot_timeline
+
+                records = {policy: t.records for policy, t in traces.items()}
+                slot_timeline(records, seqs, plot_dir / f"timeline-{name}-{dtype}.png", f"{name} workload, {dtype}")
+                kv_usage(records, plot_dir / f"kv-{name}-{dtype}.png")
+            if args.peers == "hf" and dtype == "float32":
+                ok &= _hf_peer(args, loaded, requests, seqs, engine, name)
+        if args.sweep:
+            key, values = args.sweep.split("=")
+            if key not in ("max_num_seqs", "max_num_batched_tokens"):
+                raise ValueError(f"--sweep takes max_num_seqs=... or max_num_batched_tokens=..., got {key!r}")
+            xs = [int(v) for v in values.split(",")]
+            requests, seqs = workloads[names[-1]]
+            throughput = []
+            for x in xs:
+                limits = {"max_num_seqs": seqs, "max_num_batched_tokens": args.max_num_batched_tokens, key: x}
+                line, _, _ = run_once(engine, requests, "continuous", limits["max_num_seqs"],
+                                      limits["max_num_batched_tokens"])
+                throughput.append(line["output_tokens_per_s"])
+                _emit({"workload": names[-1], "dtype": dtype, "sweep": key, key: x, **line})
+            if plot_dir is not None:
+                from loom.bench.plots import throughput_vs
+
+                throughput_vs(xs, {f"loom continuous ({dtype})": throughput}, key, "output tokens/s",
+                              plot_dir / f"sweep-{key}-{dtype}.png", f"throughput vs {key}")
     return 0 if ok else 1
