@@ -16,17 +16,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=float, default=4.0, help="GiB for the KV cache (default 4)")
     p.add_argument("--threads", type=int, default=None)
-
-
-def _engine_config(args: argparse.Namespace, policy: str = "continuous") -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        num_threads=args.threads,
-        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, policy),
-        cache=CacheConfig(num_kv_blocks=args.num_kv_blocks),
-    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

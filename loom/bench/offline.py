@@ -101,8 +101,8 @@ def main(args: argparse.Namespace) -> int:
     plot_dir = Path(args.plot) if args.plot else None
     ok = True
     for dtype in args.dtypes.split(","):
-        engine = LLMEngine(EngineConfig(dtype=dtype, num_threads=args.threads,
-                                        cache=CacheConfig(num_kv_blocks=args.num_kv_blocks)), loaded)
+        cache = CacheConfig(num_kv_blocks=args.num_kv_blocks, kv_cache_memory=int(args.kv_cache_memory * (1 << 30)))
+        engine = LLMEngine(EngineConfig(dtype=dtype, num_threads=args.threads, cache=cache), loaded)
         for name in names:
             requests, seqs = workloads[name]
             results, tokens, traces = {}, {}, {}  # traces: policy -> StepTracer
