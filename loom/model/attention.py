@@ -24,7 +24,6 @@ class AttentionBackend(Protocol):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: BatchMetadata, scale: float
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] for this step's tokens -> attention output [T, H*D]."""
-        ...
 
 
 def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -39,18 +38,28 @@ def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -
     return cache[block_ids].flatten(0, 1)[:length]
 
 
-class SdpaAttention:
-    """Batched decode + per-chunk prefill on torch's scaled_dot_product_attention."""
+class PagedAttention:
+    """Both backends: store the step's K/V at their slots, then fill out[T, H, D] from the cache."""
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: BatchMetadata, scale: float
     ) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        k_cache, v_cache = kv_cache
-        num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[1]
         out = torch.empty_like(q)
+        self.attend(q, k, v, kv_cache, meta, scale, out)
+        return out.view(q.shape[0], -1)
 
+    def attend(self, q, k, v, kv_cache: KVCache, meta: BatchMetadata, scale: float, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class SdpaAttention(PagedAttention):
+    """Batched decode + per-chunk prefill on torch's scaled_dot_product_attention."""
+
+    def attend(self, q, k, v, kv_cache: KVCache, meta: BatchMetadata, scale: float, out: torch.Tensor) -> None:
+        k_cache, v_cache = kv_cache
+        num_heads, head_dim = q.shape[1:]
+        num_kv_heads = k.shape[1]
         nd = meta.num_decodes
         if nd:
             # Queries of one KV head's group act as that head's query rows: exact GQA, no K/V repeat.
@@ -76,20 +85,14 @@ class SdpaAttention:
                 mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
             out[start:end] = o.transpose(0, 1)
-        return out.view(num_tokens, num_heads * head_dim)
 
 
-class ReferenceAttention:
+class ReferenceAttention(PagedAttention):
     """Per sequence: gather its whole context from the cache, explicit causal mask, softmax(QK^T)V."""
 
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: BatchMetadata, scale: float
-    ) -> torch.Tensor:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+    def attend(self, q, k, v, kv_cache: KVCache, meta: BatchMetadata, scale: float, out: torch.Tensor) -> None:
         k_cache, v_cache = kv_cache
-        num_tokens, num_heads, head_dim = q.shape
-        group = num_heads // k.shape[1]
-        out = torch.empty_like(q)
+        group = q.shape[1] // k.shape[1]
         for i in range(meta.num_seqs):
             start, end = meta.query_starts[i], meta.query_starts[i + 1]
             ctx = meta.context_lens_host[i]
@@ -101,7 +104,6 @@ class ReferenceAttention:
             scores = torch.einsum("nhd,chd->hnc", q[start:end].float(), keys.float()) * scale
             scores = scores.masked_fill(~allowed, float("-inf"))
             out[start:end] = torch.einsum("hnc,chd->nhd", scores.softmax(-1), values.float()).to(q.dtype)
-        return out.view(num_tokens, num_heads * head_dim)
 
 
 def make_attention(name: str) -> AttentionBackend:
