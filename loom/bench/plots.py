@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 
 import matplotlib
@@ -14,8 +13,8 @@ from matplotlib.patches import Patch  # noqa: E402
 from loom.engine.trace import StepRecord  # noqa: E402
 
 
-def _request_color(request_id: str):
-    return plt.get_cmap("tab20")(zlib.crc32(request_id.encode()) % 20)
+# tab20 without its two greys, which are kept for padding.
+_COLORS = [plt.get_cmap("tab20")(i) for i in range(20) if i not in (14, 15)]
 
 
 def slot_timeline(traces: dict[str, list[StepRecord]], num_slots: int, path: str | Path, title: str = "") -> Path:
@@ -23,12 +22,14 @@ def slot_timeline(traces: dict[str, list[StepRecord]], num_slots: int, path: str
     fig, axes = plt.subplots(len(traces), 1, figsize=(12, 1.2 + 0.5 * num_slots * len(traces)), squeeze=False,
                              sharex=True)
     for ax, (name, records) in zip(axes[:, 0], traces.items()):
+        order: dict[str, int] = {}  # colour by order of first appearance, so both policies colour alike
         for r in records:
             for use in r.slots:
                 if use.kind == "padding":
                     ax.barh(use.slot, 1, left=r.step - 1, color="0.75", edgecolor="none")
                 else:
-                    ax.barh(use.slot, 1, left=r.step - 1, color=_request_color(use.request_id), edgecolor="none",
+                    color = _COLORS[order.setdefault(use.request_id, len(order)) % len(_COLORS)]
+                    ax.barh(use.slot, 1, left=r.step - 1, color=color, edgecolor="none",
                             hatch="///" if use.kind == "prefill" else None)
         ax.set_ylabel(f"{name}\nslot")
         ax.set_yticks(range(num_slots))
