@@ -19,7 +19,8 @@ _COLORS = [plt.get_cmap("tab20")(i) for i in range(20) if i not in (14, 15)]
 
 def slot_timeline(traces: dict[str, list[StepRecord]], num_slots: int, path: str | Path, title: str = "") -> Path:
     """Gantt of slots x steps per policy: a colour per request, solid = decode, hatched = prefill, grey = padding."""
-    fig, axes = plt.subplots(len(traces), 1, figsize=(12, 1.2 + 0.5 * num_slots * len(traces)), squeeze=False,
+    panel_height = min(0.5 * num_slots, 6.0)  # many slots get thinner rows, not a taller figure
+    fig, axes = plt.subplots(len(traces), 1, figsize=(12, 1.2 + panel_height * len(traces)), squeeze=False,
                              sharex=True)
     for ax, (name, records) in zip(axes[:, 0], traces.items()):
         order: dict[str, int] = {}  # colour by order of first appearance, so both policies colour alike
@@ -32,7 +33,7 @@ def slot_timeline(traces: dict[str, list[StepRecord]], num_slots: int, path: str
                     ax.barh(use.slot, 1, left=r.step - 1, color=color, edgecolor="none",
                             hatch="///" if use.kind == "prefill" else None)
         ax.set_ylabel(f"{name}\nslot")
-        ax.set_yticks(range(num_slots))
+        ax.set_yticks(range(0, num_slots, max(1, num_slots // 16)))
         ax.set_ylim(-0.6, num_slots - 0.4)
         ax.invert_yaxis()
         ax.set_title(f"{name}: {len(records)} steps", loc="left", fontsize=9)
