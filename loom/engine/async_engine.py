@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from loom.engine.engine import LLMEngine, RequestOutput
+from loom.engine.request import Request
 from loom.sampling import SamplingParams
 
 log = logging.getLogger("loom.engine")
@@ -30,7 +31,7 @@ class EngineDead(Exception):
 
 @dataclass
 class _Add:
-    request: object  # loom.engine.request.Request
+    request: Request
     stream: asyncio.Queue
 
 
@@ -64,7 +65,7 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Thread-backed wrapper: `generate()` yields RequestOutputs as the engine produces them."""
+    """Thread-backed wrapper: `add()` queues a request; its RequestStream yields outputs as steps produce them."""
 
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
         self.engine = engine
