@@ -97,17 +97,13 @@ def run_policy(engine: LLMEngine, policy: str, console: Console, draw: bool) -> 
         engine.add_request(p, SamplingParams(max_tokens=cap, temperature=0.0), request_id=str(i))
         for i, (p, cap) in enumerate(ARTICLE_REQUESTS)
     ]
-    texts: dict[str, str] = {}
     tracer = StepTracer(engine)
     started = time.perf_counter()
     with engine.observing(observe), engine.observing(tracer):
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    texts[o.request_id] = o.text
+        finals = engine.run_to_completion()
     run.seconds = time.perf_counter() - started
     run.trace = tracer.records
-    run.texts = [texts[i] for i in ids]
+    run.texts = [finals[i].text for i in ids]
     return run
 
 

@@ -30,12 +30,8 @@ def run_once(engine: LLMEngine, requests: list[BenchRequest], policy: str, max_n
         engine.add_request(r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
         for r in requests
     ]
-    done = {}
     with engine.observing(tracer):
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    done[o.request_id] = o
+        done = engine.run_to_completion()
     seconds = time.perf_counter() - started
     outputs = [done[i] for i in ids]
     out_tokens = sum(len(o.token_ids) for o in outputs)

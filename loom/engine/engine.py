@@ -224,6 +224,15 @@ class LLMEngine:
                 self._forget(o.request_id)
         return outputs
 
+    def run_to_completion(self) -> dict[str, RequestOutput]:
+        """Step until no request is left; the final output of every request that finished meanwhile."""
+        finished: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for output in self.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return finished
+
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         params = request.params
         request.output_token_ids.append(token)

@@ -62,9 +62,5 @@ class LLM:
             for rid in ids:
                 self.engine.abort(rid)
             raise
-        finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(ids):
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
+        finished = self.engine.run_to_completion()
         return [finished[rid] for rid in ids]
