@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loom.model.attention import ATTENTION_BACKENDS
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -61,15 +63,15 @@ class EngineConfig:
     model: str | None = None  # None: the bundled SmolLM2 GGUF
     dtype: torch.dtype = torch.float32
     max_model_len: int | None = None  # None: the model's own context length
-    attention_backend: str = "sdpa"  # "sdpa" (fast, batched) or "reference" (obvious, slow; for tests)
+    attention_backend: str = "auto"  # "auto" | "paged" (C++ kernel) | "sdpa" | "reference" (obvious, for tests)
     num_threads: int | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
-        if self.attention_backend not in ("sdpa", "reference"):
-            raise ValueError(f"attention_backend must be 'sdpa' or 'reference', got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -16,7 +16,7 @@ from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.engine.request import RequestStatus
 
 
-def make_engine(loaded, max_num_seqs=4, budget=64, blocks=128, block_size=4, policy="continuous", backend="sdpa"):
+def make_engine(loaded, max_num_seqs=4, budget=64, blocks=128, block_size=4, policy="continuous", backend="paged"):
     config = EngineConfig(
         attention_backend=backend,
         scheduler=SchedulerConfig(max_num_seqs, budget, policy),
@@ -120,7 +120,7 @@ def test_tiny_pool_forces_preemption_without_changing_results(tiny_llama, alone_
     assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+@pytest.mark.parametrize("backend", ["paged", "sdpa", "reference"])
 def test_static_equals_continuous_and_counts_padding(tiny_llama, alone_outputs, backend):
     rng = random.Random(3)
     workload = random_workload(rng, 7, tiny_llama.config.vocab_size)

@@ -19,7 +19,7 @@ TINY_PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+@pytest.mark.parametrize("backend", ["paged", "sdpa", "reference"])
 def test_tiny_models_match_transformers(tiny_model_dir, backend):
     import transformers
 

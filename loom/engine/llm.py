@@ -26,7 +26,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         kv_cache_memory: int = 1 << 30,
         max_model_len: int | None = None,
-        attention_backend: str = "sdpa",
+        attention_backend: str = "auto",
         num_threads: int | None = None,
         loaded: LoadedModel | None = None,
     ) -> None:

@@ -1,17 +1,22 @@
 """Ragged paged attention: write this step's K/V at their slots, then attend block-diagonal causal.
 
-Two backends share one signature:
-- `SdpaAttention` (fast): all decode tokens of the step in one batched SDPA over K/V read straight from their
-  blocks; each prefill chunk in one SDPA call (a few big kernels, never a loop of tiny per-request ones).
+Three backends share one signature:
+- `PagedKernelAttention` (fastest on CPU): every decode token of the step in one call of Loom's C++ kernel, which
+  reads each request's K and V once, block by block through its block table; prefill chunks as in SDPA.
+- `SdpaAttention` (portable): all decode tokens in one batched SDPA over K/V gathered through the block tables
+  (a temporary copy per layer); each prefill chunk in one SDPA call.
 - `ReferenceAttention` (obvious): per sequence, gather its context, build the causal mask, softmax by hand.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from loom.model.kernels import load_paged_attention
 
 if TYPE_CHECKING:
     from loom.engine.batch import BatchMetadata
@@ -57,20 +62,27 @@ class SdpaAttention(PagedAttention):
     """Batched decode + per-chunk prefill on torch's scaled_dot_product_attention."""
 
     def attend(self, q, k, v, kv_cache: KVCache, meta: BatchMetadata, scale: float, out: torch.Tensor) -> None:
-        k_cache, v_cache = kv_cache
-        num_heads, head_dim = q.shape[1:]
-        num_kv_heads = k.shape[1]
-        nd = meta.num_decodes
-        if nd:
-            # Queries of one KV head's group act as that head's query rows: exact GQA, no K/V repeat.
-            tables = meta.block_tables[:nd, : meta.decode_max_blocks]
-            keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [nd, KVH, L, D]
-            values = v_cache[tables].flatten(1, 2).transpose(1, 2)
-            q_grouped = q[:nd].view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
-            o = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=meta.decode_mask, scale=scale)
-            out[:nd] = o.reshape(nd, num_heads, head_dim)
+        if meta.num_decodes:
+            self.attend_decodes(q, kv_cache, meta, scale, out)
+        self.attend_prefills(q, k, v, kv_cache, meta, scale, out)
 
-        for i in range(nd, meta.num_seqs):
+    def attend_decodes(self, q, kv_cache: KVCache, meta: BatchMetadata, scale: float, out: torch.Tensor) -> None:
+        """Rows [0, num_decodes): one query token each."""
+        k_cache, v_cache = kv_cache
+        nd, num_heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
+        num_kv_heads = k_cache.shape[2]
+        # Queries of one KV head's group act as that head's query rows: exact GQA, no K/V repeat.
+        tables = meta.block_tables[:nd, : meta.decode_max_blocks].flatten()
+        keys = k_cache.index_select(0, tables).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)  # [nd,KVH,L,D]
+        values = v_cache.index_select(0, tables).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        q_grouped = q[:nd].view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=meta.decode_mask, scale=scale)
+        out[:nd] = o.reshape(nd, num_heads, head_dim)
+
+    def attend_prefills(self, q, k, v, kv_cache: KVCache, meta: BatchMetadata, scale: float, out: torch.Tensor):
+        """Rows [num_decodes, num_seqs): one SDPA call per prompt chunk."""
+        k_cache, v_cache = kv_cache
+        for i in range(meta.num_decodes, meta.num_seqs):
             start, end = meta.query_starts[i], meta.query_starts[i + 1]
             ctx = meta.context_lens_host[i]
             qi = q[start:end].transpose(0, 1)  # [H, n, D]
@@ -85,6 +97,21 @@ class SdpaAttention(PagedAttention):
                 mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
             out[start:end] = o.transpose(0, 1)
+
+
+class PagedKernelAttention(SdpaAttention):
+    """Decodes through the compiled kernel (CPU tensors); prefill chunks and other devices as SdpaAttention."""
+
+    def __init__(self, kernel: ModuleType) -> None:
+        self.kernel = kernel
+
+    def attend_decodes(self, q, kv_cache: KVCache, meta: BatchMetadata, scale: float, out: torch.Tensor) -> None:
+        if q.device.type != "cpu":
+            return super().attend_decodes(q, kv_cache, meta, scale, out)
+        nd = meta.num_decodes
+        self.kernel.decode_attention(
+            q[:nd].contiguous(), *kv_cache, meta.block_tables[:nd], meta.context_lens[:nd], out[:nd], scale
+        )
 
 
 class ReferenceAttention(PagedAttention):
@@ -106,9 +133,20 @@ class ReferenceAttention(PagedAttention):
             out[start:end] = torch.einsum("hnc,chd->nhd", scores.softmax(-1), values.float()).to(q.dtype)
 
 
+ATTENTION_BACKENDS = ("auto", "paged", "sdpa", "reference")
+
+
 def make_attention(name: str) -> AttentionBackend:
+    """'auto': the compiled kernel when it builds on this machine, else SDPA; 'paged' insists on the kernel."""
+    if name in ("auto", "paged"):
+        kernel = load_paged_attention()
+        if kernel is not None:
+            return PagedKernelAttention(kernel)
+        if name == "paged":
+            raise RuntimeError("attention_backend='paged' needs the C++ kernel, which failed to build (see the log)")
+        return SdpaAttention()
     if name == "sdpa":
         return SdpaAttention()
     if name == "reference":
         return ReferenceAttention()
-    raise ValueError(f"unknown attention backend {name!r}")
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {ATTENTION_BACKENDS}")

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from loom.cache_dir import default_cache_dir
 from loom.model.config import ModelConfig
 from loom.tokenizer import Tokenizer
 
@@ -64,7 +65,7 @@ def load_model(path: str | os.PathLike | None = None, cache_dir: str | os.PathLi
     if p.is_dir():
         return _load_hf_dir(p)
     if p.suffix == ".gguf" and p.is_file():
-        return _load_gguf_cached(p, Path(cache_dir) if cache_dir else _default_cache_dir())
+        return _load_gguf_cached(p, Path(cache_dir) if cache_dir else default_cache_dir())
     raise FileNotFoundError(f"model path {str(p)!r} is neither a .gguf file nor a Hugging Face model directory")
 
 
@@ -183,10 +184,6 @@ def _hf_name(gguf_name: str) -> str | None:
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's convert-time reordering of q/k rows (interleaved RoPE pairs -> HF's rotate_half halves)."""
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _default_cache_dir() -> Path:
-    return Path(os.environ.get("LOOM_CACHE_DIR", Path.home() / ".cache" / "loom"))
 
 
 def _cache_key(path: Path) -> str:
