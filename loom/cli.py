@@ -8,16 +8,38 @@ import sys
 from rich.console import Console
 
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
+from loom.model.attention import ATTENTION_BACKENDS
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a .gguf file or HF model directory (default: bundled SmolLM2)")
+def _engine_args(p: argparse.ArgumentParser, kv_cache_gib: float) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=float, default=4.0, help="GiB for the KV cache (default 4)")
+    p.add_argument("--kv-cache-memory", type=float, default=kv_cache_gib,
+                   help=f"GiB for the KV cache (default {kv_cache_gib:g})")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="recompute shared prompt prefixes instead of reusing their cached KV blocks")
+    p.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
     p.add_argument("--threads", type=int, default=None)
+
+
+def engine_config(args: argparse.Namespace, dtype: str | None = None) -> EngineConfig:
+    """The EngineConfig that `_engine_args` describes (dtype overridable for multi-dtype benchmarks)."""
+    return EngineConfig(
+        model=getattr(args, "model", None),
+        dtype=dtype or args.dtype,
+        num_threads=args.threads,
+        max_model_len=args.max_model_len,
+        attention_backend=args.attention_backend,
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
+        cache=CacheConfig(
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory=int(args.kv_cache_memory * (1 << 30)),
+            enable_prefix_caching=args.prefix_caching,
+        ),
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -63,15 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loom.server.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        num_threads=args.threads,
-        max_model_len=args.max_model_len,
-        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
-        cache=CacheConfig(num_kv_blocks=args.num_kv_blocks, kv_cache_memory=int(args.kv_cache_memory * (1 << 30))),
-    )
-    engine = LLMEngine(config)
+    engine = LLMEngine(engine_config(args))
     name = args.served_model_name or engine.loaded.name
     try:
         loopback = ipaddress.ip_address(args.host).is_loopback
@@ -80,7 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not loopback and not args.api_key:
         logging.getLogger("loom.server").warning(
             "binding %s without --api-key: anyone who can reach this port can use the model", args.host)
-    app = create_app(AsyncEngine(engine, max_waiting=args.max_waiting), name, api_key=args.api_key,
+    app = create_app(AsyncEngine(engine, max_waiting=args.max_waiting, request_timeout=args.request_timeout), name, api_key=args.api_key,
                      max_body_bytes=args.max_body_bytes, open_metrics=args.open_metrics)
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the handler it found: make that a no-op so
     # a clean drain exits 0.
@@ -136,25 +150,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", nargs="?", default=None, help="a .gguf file or HF model directory")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    s.add_argument("--max-num-seqs", type=int, default=64)
-    s.add_argument("--max-num-batched-tokens", type=int, default=512)
-    s.add_argument("--max-model-len", type=int, default=None)
-    s.add_argument("--num-kv-blocks", type=int, default=None)
-    s.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache (default 1)")
+    _engine_args(s, kv_cache_gib=1.0)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     s.add_argument("--open-metrics", action="store_true", help="serve /metrics without the API key")
     s.add_argument("--max-waiting", type=int, default=None, help="refuse with 503 + Retry-After beyond this queue")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    s.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take from arrival; past it, it is aborted with a 504 error")
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds to drain on SIGTERM")
-    s.add_argument("--threads", type=int, default=None)
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     off = bsub.add_parser("offline", help="static vs continuous, fp32 and bf16, on one engine; JSON lines")
-    off.add_argument("--workload", choices=["article", "mixed", "all"], default="all")
+    off.add_argument("--workload", choices=["article", "mixed", "shared-prefix", "all"], default="all",
+                     help="all: article and mixed")
     off.add_argument("--num-requests", type=int, default=200)
     off.add_argument("--seed", type=int, default=0)
     off.add_argument("--dtypes", default="float32,bfloat16")
@@ -164,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--sweep", default=None, metavar="KEY=V1,V2", help="e.g. max_num_seqs=1,4,16,64 (continuous)")
     off.add_argument("--plot", metavar="DIR", default=None, help="timeline, KV usage and sweep PNGs")
     off.add_argument("--trace", metavar="DIR", default=None, help="Chrome trace-event JSON per run")
-    _engine_args(off)
+    off.add_argument("--model", default=None, help="a .gguf file or HF model directory (default: bundled SmolLM2)")
+    _engine_args(off, kv_cache_gib=4.0)
     off.set_defaults(func=cmd_bench_offline)
 
     sv = bsub.add_parser("serve", help="online benchmark client for any OpenAI-compatible server")

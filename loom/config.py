@@ -46,6 +46,7 @@ class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int = 1 << 30
+    enable_prefix_caching: bool = True  # continuous policy only; the static baseline never shares blocks
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -5,6 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# Stop strings are searched in new text after every token: bound the work one request can ask for.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
+
 
 @dataclass
 class SamplingParams:
@@ -35,20 +40,24 @@ class SamplingParams:
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         _check_int("max_tokens", self.max_tokens, low=1)
-        _check_float("temperature", self.temperature, low=0.0)
-        _check_int("top_k", self.top_k, low=-1)
+        _check_float("temperature", self.temperature, low=0.0, high=100.0)
+        _check_int("top_k", self.top_k, low=-1, high=2**31 - 1)
         if self.top_k == -1:
             self.top_k = 0
         _check_float("top_p", self.top_p, low=0.0, low_open=True, high=1.0)
         _check_float("min_p", self.min_p, low=0.0, high=1.0)
         if self.seed is not None:
             _check_int("seed", self.seed, low=-(2**63), high=2**64 - 1)
-        _check_float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        _check_float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True, high=100.0)
         _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        if len(self.stop) > MAX_STOP_STRINGS or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings and {MAX_STOP_TOKEN_IDS} stop_token_ids, "
+                             f"got {len(self.stop)} and {len(self.stop_token_ids)}")
         for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop: every stop string must be a non-empty string, got {s!r}")
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop: every stop string must be a non-empty string of at most "
+                                 f"{MAX_STOP_STRING_CHARS} characters, got {s!r:.80}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, low=0)
         if not isinstance(self.ignore_eos, bool):

@@ -6,12 +6,15 @@ Hugging Face transformers is the reference; its outputs are computed once per te
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
 
+from loom import LLMEngine, SamplingParams
+from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.model.loader import LoadedModel, default_model_path, load_model
 
 CORPUS = [
@@ -118,3 +121,79 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
             pad_token_id=eos_token_id if eos_token_id is not None else 0,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+# --- engine drivers shared by the batching and prefix-caching tests ------------------------------------------
+
+
+def make_engine(loaded, max_num_seqs=4, budget=64, blocks=128, block_size=4, policy="continuous", backend="paged",
+                prefix_caching=True):
+    config = EngineConfig(
+        attention_backend=backend,
+        scheduler=SchedulerConfig(max_num_seqs, budget, policy),
+        cache=CacheConfig(block_size=block_size, num_kv_blocks=blocks, enable_prefix_caching=prefix_caching),
+    )
+    return LLMEngine(config, loaded)
+
+
+def random_workload(rng: random.Random, n: int, vocab: int) -> list[tuple[list[int], int]]:
+    return [([rng.randrange(1, vocab) for _ in range(rng.randint(1, 40))], rng.randint(1, 24)) for _ in range(n)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="session")
+def alone_outputs(tiny_llama):
+    """Each request run alone (no prefix cache): the ground truth every batch mix must reproduce."""
+    engine = make_engine(tiny_llama, max_num_seqs=1, prefix_caching=False)
+    cache: dict[tuple, list[int]] = {}
+
+    def run_alone(prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in cache:
+            rid = engine.add_request(prompt, greedy(max_tokens))
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.request_id == rid and out.finished:
+                        cache[key] = out.token_ids
+        return cache[key]
+
+    return run_alone
+
+
+def drive(engine: LLMEngine, workload, arrivals: list[int], check_steps: bool = True) -> dict[int, list[int]]:
+    """Add request i at step arrivals[i]; step until done; check per-step scheduler invariants on the way."""
+    cfg = engine.config.scheduler
+    done: dict[int, list[int]] = {}
+    ids: dict[str, int] = {}
+    violations: list[str] = []
+
+    def observe(out, result, outputs, seconds):
+        engine.pool.check_invariants()
+        n_tokens = out.num_scheduled_tokens
+        if cfg.policy == "continuous" and n_tokens > cfg.max_num_batched_tokens:
+            violations.append(f"step {out.step}: {n_tokens} tokens > budget")
+        if len(engine.scheduler.running) > cfg.max_num_seqs:
+            violations.append(f"step {out.step}: {len(engine.scheduler.running)} running > max_num_seqs")
+        # Every running request in its decode phase gets its token every step (no starvation by prompts).
+        scheduled = {s.request.request_id for s in out.scheduled}
+        for r in engine.scheduler.running:
+            if r.num_computed_tokens >= r.num_prompt_tokens and r.request_id not in scheduled and not out.preempted:
+                violations.append(f"step {out.step}: decode of {r.request_id} skipped")
+
+    if check_steps:
+        engine.step_observers.append(observe)
+    step = 0
+    pending = sorted(range(len(workload)), key=lambda i: arrivals[i])
+    while pending or engine.has_unfinished_requests():
+        while pending and arrivals[pending[0]] <= step:
+            i = pending.pop(0)
+            ids[engine.add_request(workload[i][0], greedy(workload[i][1]), request_id=str(i))] = i
+        for out in engine.step():
+            if out.finished:
+                done[ids[out.request_id]] = out.token_ids
+        step += 1
+    assert not violations, violations[:5]
+    return done

@@ -31,7 +31,8 @@ def _free_port() -> int:
 def running_server(loaded, max_num_seqs=16, num_kv_blocks=256, **app_kwargs):
     engine = LLMEngine(EngineConfig(scheduler=SchedulerConfig(max_num_seqs, 256),
                                     cache=CacheConfig(num_kv_blocks=num_kv_blocks)), loaded)
-    async_engine = AsyncEngine(engine, max_waiting=app_kwargs.pop("max_waiting", None))
+    async_engine = AsyncEngine(engine, max_waiting=app_kwargs.pop("max_waiting", None),
+                               request_timeout=app_kwargs.pop("request_timeout", None))
     app = create_app(async_engine, "tiny", **app_kwargs)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

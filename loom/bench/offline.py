@@ -12,8 +12,9 @@ import json
 import time
 from pathlib import Path
 
-from loom.bench.workloads import BenchRequest, article_workload, mixed_workload
-from loom.config import CacheConfig, EngineConfig, SchedulerConfig
+from loom.bench.workloads import BenchRequest, article_workload, mixed_workload, shared_prefix_workload
+from loom.cli import engine_config
+from loom.config import SchedulerConfig
 from loom.engine.engine import LLMEngine
 from loom.engine.trace import StepTracer
 from loom.model.loader import load_model
@@ -49,6 +50,8 @@ def run_once(engine: LLMEngine, requests: list[BenchRequest], policy: str, max_n
         "steps": len(records),
         "ttft_p50_s": round(ttfts[len(ttfts) // 2], 3),
         "peak_kv_blocks_used": max((r.blocks_used for r in records), default=0),
+        "prefix_cache_hit_tokens": engine.scheduler.prefix_cache_hits,
+        "prefix_caching": engine.config.cache.enable_prefix_caching and policy == "continuous",
     }, [o.token_ids for o in outputs], tracer
 
 
@@ -92,13 +95,14 @@ def main(args: argparse.Namespace) -> int:
     workloads = {
         "article": (article_workload(), 3),
         "mixed": (mixed_workload(loaded.tokenizer, args.num_requests, seed=args.seed), args.max_num_seqs),
+        "shared-prefix": (shared_prefix_workload(loaded.tokenizer, args.num_requests, seed=args.seed),
+                          args.max_num_seqs),
     }
-    names = list(workloads) if args.workload == "all" else [args.workload]
+    names = ["article", "mixed"] if args.workload == "all" else [args.workload]
     plot_dir = Path(args.plot) if args.plot else None
     ok = True
     for dtype in args.dtypes.split(","):
-        cache = CacheConfig(num_kv_blocks=args.num_kv_blocks, kv_cache_memory=int(args.kv_cache_memory * (1 << 30)))
-        engine = LLMEngine(EngineConfig(dtype=dtype, num_threads=args.threads, cache=cache), loaded)
+        engine = LLMEngine(engine_config(args, dtype), loaded)
         for name in names:
             requests, seqs = workloads[name]
             results, tokens, traces = {}, {}, {}  # traces: policy -> StepTracer

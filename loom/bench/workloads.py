@@ -1,4 +1,4 @@
-"""Benchmark workloads: the article's six requests and a seeded synthetic mix of prompt/output lengths."""
+"""Benchmark workloads: the article's six requests, a seeded mix of prompt/output lengths, a shared system prompt."""
 
 from __future__ import annotations
 
@@ -41,6 +41,30 @@ def mixed_workload(
         start = rng.randrange(0, len(base) - n)
         ids = base[start : start + n]
         requests.append(BenchRequest(tokenizer.decode(ids) if as_text else ids, rng.randint(*output_len)))
+    return requests
+
+
+def shared_prefix_workload(
+    tokenizer: Tokenizer,
+    num_requests: int = 200,
+    system_tokens: int = 300,
+    output_len: tuple[int, int] = (16, 64),
+    seed: int = 0,
+) -> list[BenchRequest]:
+    """Chat requests that share one ~`system_tokens`-token system prompt, each with its own short question.
+
+    Rendered with the model's chat template, as a chat server would; prompts are token ids.
+    """
+    rng = random.Random(seed)
+    text = " ".join(p for p, _ in ARTICLE_REQUESTS) * 20
+    system = tokenizer.decode(tokenizer.encode(text)[:system_tokens])
+    subjects = [p for p, _ in ARTICLE_REQUESTS]
+    requests = []
+    for i in range(num_requests):
+        question = f"Question {i}: {rng.choice(subjects)} Answer in {rng.randint(1, 5)} sentences."
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
+        requests.append(BenchRequest(ids, rng.randint(*output_len)))
     return requests
 
 

@@ -11,10 +11,11 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from loom.engine.engine import LLMEngine, RequestOutput
+from loom.engine.engine import LLMEngine, RequestOutput, StepFailed
 from loom.engine.request import Request
 from loom.sampling import SamplingParams
 
@@ -27,6 +28,14 @@ class EngineOverloaded(Exception):
 
 class EngineDead(Exception):
     """The engine loop stopped on a fatal error; no request can be served."""
+
+
+class RequestFailed(Exception):
+    """The model step running this request raised; the request was ended (the engine itself goes on)."""
+
+
+class RequestTimedOut(Exception):
+    """The request ran past the server's per-request deadline and was aborted."""
 
 
 @dataclass
@@ -67,12 +76,17 @@ class RequestStream:
 class AsyncEngine:
     """Thread-backed wrapper: `add()` queues a request; its RequestStream yields outputs as steps produce them."""
 
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
+                 request_timeout: float | None = None) -> None:
+        if request_timeout is not None and request_timeout <= 0:
+            raise ValueError(f"request_timeout must be positive, got {request_timeout}")
         self.engine = engine
         self.max_waiting = max_waiting
+        self.request_timeout = request_timeout
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, asyncio.Queue] = {}  # touched only by the engine thread
+        self._deadlines: dict[str, float] = {}  # request id -> monotonic deadline; engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -135,6 +149,7 @@ class AsyncEngine:
             return
         if isinstance(item, BaseException) or item.finished:
             del self._streams[request_id]
+            self._deadlines.pop(request_id, None)
         self._loop.call_soon_threadsafe(stream.put_nowait, item)
 
     def _drain_commands(self) -> None:
@@ -150,27 +165,51 @@ class AsyncEngine:
                     self._loop.call_soon_threadsafe(command.stream.put_nowait, e)
                     continue
                 self._streams[command.request.request_id] = command.stream
+                if self.request_timeout is not None:
+                    self._deadlines[command.request.request_id] = command.request.arrival_time + self.request_timeout
             else:
                 self._abort(command.request_id)
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, error: BaseException | None = None) -> None:
+        """Abort a request; its stream gets its final output, or `error` instead when one is given."""
         output = self.engine.abort(request_id)
         if output is None:
             return
         if self.on_abort is not None:
             self.on_abort(output)
-        self._deliver(request_id, output)
+        self._deliver(request_id, error if error is not None else output)
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        for request_id in [r for r, deadline in self._deadlines.items() if deadline <= now]:
+            self._abort(request_id, RequestTimedOut(f"request exceeded the server's {self.request_timeout:g} s limit"))
+            self._deadlines.pop(request_id, None)
+
+    def _step(self) -> None:
+        """One engine step; a failed forward fails only the requests it carried."""
+        try:
+            outputs = self.engine.step()
+        except StepFailed as e:
+            log.error("model step failed; ending its %d request(s) with an error", len(e.outputs),
+                      exc_info=e.__cause__)
+            for output in e.outputs:
+                if self.on_abort is not None:
+                    self.on_abort(output)
+                self._deliver(output.request_id, RequestFailed("internal error while running this request"))
+            return
+        for output in outputs:
+            self._deliver(output.request_id, output)
 
     def _run(self) -> None:
         try:
             while not self._stopping:
                 self._wakeup.clear()
                 self._drain_commands()
+                self._expire_deadlines()
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.wait()
                     continue
-                for output in self.engine.step():
-                    self._deliver(output.request_id, output)
+                self._step()
         except BaseException as e:  # a fatal engine failure: fail everyone, report unhealthy
             log.exception("engine loop died")
             self.error = e

@@ -64,6 +64,17 @@ class _Stream:
     sent_token_len: int = 0
 
 
+class StepFailed(Exception):
+    """The model forward of one step raised: its requests are finished with reason 'error', the engine goes on.
+
+    `outputs` are those requests' final outputs; the original exception is the `__cause__`.
+    """
+
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        super().__init__(f"a model step failed; {len(outputs)} request(s) ended with an error")
+        self.outputs = outputs
+
+
 StepObserver = Callable[[SchedulerOutput, StepResult | None, list[RequestOutput], float], None]
 
 
@@ -101,8 +112,10 @@ class LLMEngine:
             self.step_observers.remove(observer)
 
     def _make_scheduler(self, config: SchedulerConfig) -> Scheduler:
-        cls = StaticScheduler if config.policy == "static" else ContinuousScheduler
-        return cls(config, self.pool, self.config.cache.block_size)
+        if config.policy == "static":
+            return StaticScheduler(config, self.pool, self.config.cache.block_size)
+        cache = self.config.cache
+        return ContinuousScheduler(config, self.pool, cache.block_size, cache.enable_prefix_caching)
 
     def set_scheduler(self, config: SchedulerConfig) -> None:
         """Swap the scheduling policy (e.g. static vs continuous on the same weights and cache); only when idle."""
@@ -203,13 +216,16 @@ class LLMEngine:
         """Schedule, run one packed forward, append sampled tokens, retire finished requests."""
         started = time.perf_counter()
         out = self.scheduler.schedule()
-        result = None if out.is_empty else self.runner.execute(out)
+        try:
+            result = None if out.is_empty else self.runner.execute(out)
+        except Exception as e:
+            raise StepFailed([self._fail(s.request) for s in out.scheduled]) from e
         outputs: list[RequestOutput] = []
         if result is not None:
             now = time.monotonic()
             for sched, token, logprob in zip(out.scheduled, result.tokens, result.logprobs):
                 request = sched.request
-                request.num_computed_tokens += len(sched.token_ids)
+                self.scheduler.mark_computed(request, len(sched.token_ids))
                 if token is None:
                     continue
                 if request.first_token_time is None:
@@ -291,6 +307,13 @@ class LLMEngine:
             ),
             logprobs=list(request.output_logprobs),
         )
+
+    def _fail(self, request: Request) -> RequestOutput:
+        """End a request whose step raised: blocks and slot back, nothing of that step appended."""
+        self.scheduler.finish(request, "error")
+        output = self._output(request, final=True)
+        self._forget(request.request_id)
+        return output
 
     def _forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

@@ -2,11 +2,16 @@
 
 Block 0 is the null block: never handed out, it pads block tables and absorbs writes of padding tokens,
 so the pool is "full" when every other block is free.
+
+Prefix caching: a full block whose K/V are computed is registered under its hash-chain key (the parent block's key
+and the block's token ids), so a later request with the same prefix takes the block instead of recomputing it.
+A freed block keeps its key until the pool hands it out again, least recently freed first (LRU eviction).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,15 +19,30 @@ import torch
 NULL_BLOCK = 0
 
 
+def block_hashes(token_ids: Sequence[int], block_size: int, parent: int | None = None) -> list[int]:
+    """The hash-chain key of every full block of `token_ids`: a block's key covers its whole prefix."""
+    keys = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        keys.append(parent)
+    return keys
+
+
 class BlockPool:
-    """Free list plus reference counts over block ids 1..num_blocks-1."""
+    """Reference-counted blocks 1..num_blocks-1; free ones in LRU order, some still holding a cached prefix.
+
+    Every usable block is in exactly one state: owned (ref count > 0), free and cached (ref 0, has a key), or free
+    and empty. `num_free_blocks` counts both free states: a cached block is evicted when it is handed out.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(1, num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))  # oldest first
         self._ref_counts = [0] * num_blocks
+        self._key_of_block: dict[int, int] = {}
+        self._block_of_key: dict[int, int] = {}
 
     @property
     def num_usable_blocks(self) -> int:
@@ -36,13 +56,22 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_usable_blocks - len(self._free)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._block_of_key)
+
     def allocate(self, n: int) -> list[int]:
-        """Take n blocks off the free list; the caller must have checked `num_free_blocks` first."""
+        """Take the n least recently freed blocks, evicting any cached prefix they held."""
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} KV blocks, only {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
-            self._ref_counts[b] = 1
+        blocks = []
+        for _ in range(n):
+            block, _ = self._free.popitem(last=False)
+            key = self._key_of_block.pop(block, None)
+            if key is not None:
+                del self._block_of_key[key]
+            self._ref_counts[block] = 1
+            blocks.append(block)
         return blocks
 
     def share(self, blocks: list[int]) -> None:
@@ -53,16 +82,56 @@ class BlockPool:
             self._ref_counts[b] += 1
 
     def free(self, blocks: list[int]) -> None:
-        """Drop one owner from each block; a block with no owner left goes back on the free list."""
+        """Drop one owner from each block; a block with no owner left becomes free (most recently freed last)."""
         for b in blocks:
             if b == NULL_BLOCK or self._ref_counts[b] <= 0:
                 raise RuntimeError(f"double free of KV block {b}")
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
 
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
+
+    # --- prefix cache ---------------------------------------------------------------------------------------------
+
+    def cache_block(self, block: int, key: int) -> None:
+        """Register an owned, fully computed block under its key (a key already held by another block is kept)."""
+        if self._ref_counts[block] <= 0:
+            raise RuntimeError(f"cannot cache block {block}: it is free")
+        if key not in self._block_of_key and block not in self._key_of_block:
+            self._block_of_key[key] = block
+            self._key_of_block[block] = key
+
+    def cached_prefix(self, keys: Sequence[int]) -> list[int]:
+        """Blocks of the longest run of `keys`, from the first, that the cache holds (nothing is taken yet)."""
+        blocks = []
+        for key in keys:
+            block = self._block_of_key.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def take_cached(self, blocks: list[int]) -> None:
+        """Add an owner to cached blocks found by `cached_prefix`, taking free ones off the free list."""
+        for b in blocks:
+            if self._ref_counts[b] == 0:
+                del self._free[b]
+            self._ref_counts[b] += 1
+
+    def check_invariants(self) -> None:
+        """Every block is owned xor free; keys map both ways; the null block is never handed out (for tests)."""
+        for b in range(1, self.num_blocks):
+            rc = self._ref_counts[b]
+            if rc < 0 or (rc == 0) != (b in self._free):
+                raise AssertionError(f"block {b}: ref count {rc}, free={b in self._free}")
+        if NULL_BLOCK in self._free or self._ref_counts[NULL_BLOCK] != 0:
+            raise AssertionError("the null block was handed out")
+        if any(self._block_of_key.get(k) != b for b, k in self._key_of_block.items()):
+            raise AssertionError("prefix cache maps disagree")
+        if len(self._block_of_key) != len(self._key_of_block):
+            raise AssertionError("prefix cache maps differ in size")
 
 
 @dataclass

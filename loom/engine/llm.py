@@ -28,6 +28,7 @@ class LLM:
         max_model_len: int | None = None,
         attention_backend: str = "auto",
         num_threads: int | None = None,
+        enable_prefix_caching: bool = True,
         loaded: LoadedModel | None = None,
     ) -> None:
         config = EngineConfig(
@@ -37,7 +38,7 @@ class LLM:
             attention_backend=attention_backend,
             num_threads=num_threads,
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy),
-            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory),
+            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory, enable_prefix_caching),
         )
         self.engine = LLMEngine(config, loaded)
         self.tokenizer = self.engine.tokenizer
@@ -46,18 +47,25 @@ class LLM:
         self,
         prompts: str | Sequence[str] | Sequence[list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Queue every prompt (validating all first), step until all finish, return outputs in prompt order."""
+        """Queue every prompt (validating all first), step until all finish, return outputs in prompt order.
+
+        `priority`: one per prompt, lower runs first (FCFS within a priority); all 0 by default.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p))
+            for prompt, p, prio in zip(prompts, params, priority):
+                ids.append(self.engine.add_request(prompt, p, priority=prio))
         except ValueError:
             for rid in ids:
                 self.engine.abort(rid)

@@ -5,12 +5,13 @@ Both emit a `SchedulerOutput`, the one contract with the runner: plain Python, n
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from loom.config import SchedulerConfig
-from loom.engine.kv_cache import BlockPool
+from loom.engine.kv_cache import BlockPool, block_hashes
 from loom.engine.request import Request, RequestStatus
 
 
@@ -53,22 +54,52 @@ class SchedulerOutput:
         return not self.scheduled and not self.num_pad_tokens
 
 
-class Scheduler:
-    """State shared by both policies: waiting queue, running set, slots and the block pool."""
+def _order(request: Request) -> tuple[int, int]:
+    """Queue order: lower priority value first, then first come first served."""
+    return request.priority, request.arrival_index
 
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int) -> None:
+
+class Scheduler:
+    """State shared by both policies: waiting queue, running set, slots, the block pool and its prefix cache.
+
+    Both `waiting` and `running` are kept in queue order (priority, then arrival), so the head of `waiting` is
+    admitted next and the tail of `running` (lowest priority, newest) is preempted first.
+    """
+
+    def __init__(
+        self, config: SchedulerConfig, pool: BlockPool, block_size: int, enable_prefix_caching: bool = False
+    ) -> None:
         self.config = config
         self.pool = pool
         self.block_size = block_size
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: the last one is the newest
+        self.enable_prefix_caching = enable_prefix_caching
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
         self._free_slots = list(range(config.max_num_seqs))
         self._step = 0
+        self._arrivals = itertools.count()
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up at admission
+        self.prefix_cache_hits = 0  # of those, tokens whose K/V came from the cache
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        request.arrival_index = next(self._arrivals)
+        bisect.insort(self.waiting, request, key=_order)
+
+    def mark_computed(self, request: Request, num_tokens: int) -> None:
+        """After a step: `num_tokens` more of the request have K/V; full blocks among them join the prefix cache."""
+        request.num_computed_tokens += num_tokens
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        done = len(request.block_hashes)
+        if num_full > done:
+            tokens = request.token_ids(done * self.block_size, num_full * self.block_size)
+            parent = request.block_hashes[-1] if done else None
+            for i, key in enumerate(block_hashes(tokens, self.block_size, parent), start=done):
+                self.pool.cache_block(request.block_ids[i], key)
+                request.block_hashes.append(key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -101,8 +132,9 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         if request.block_ids:
-            self.pool.free(request.block_ids)
+            self.pool.free(request.block_ids[::-1])  # tail first: shared prefix blocks stay cached longest
             request.block_ids = []
+        request.block_hashes = []
         if request.slot is not None:
             self._free_slots.append(request.slot)
             self._free_slots.sort()
@@ -114,8 +146,30 @@ class Scheduler:
         request.slot = self._free_slots.pop(0)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
-        self.running.append(request)
+        bisect.insort(self.running, request, key=_order)
         out.admitted.append(request)
+
+    def _take_cached_prefix(self, request: Request) -> int:
+        """Give a request with nothing computed the cached blocks of its longest cached prefix; returns their count.
+
+        At least its last token is left to compute, so the step that finishes the prompt has logits to sample.
+        """
+        if not self.enable_prefix_caching or request.num_computed_tokens:
+            return 0
+        keys = block_hashes(request.token_ids(0, request.num_tokens - 1), self.block_size)
+        blocks = self.pool.cached_prefix(keys)
+        if blocks:
+            self.pool.take_cached(blocks)
+            request.block_ids = blocks
+            request.block_hashes = keys[: len(blocks)]
+            request.num_computed_tokens = len(blocks) * self.block_size
+        return len(blocks)
+
+    def _return_cached_prefix(self, request: Request) -> None:
+        """Undo `_take_cached_prefix` for a request that could not be admitted after all."""
+        if request.block_ids:
+            self.pool.free(request.block_ids[::-1])
+        request.block_ids, request.block_hashes, request.num_computed_tokens = [], [], 0
 
     def _schedule_chunk(self, request: Request, num_tokens: int, out: SchedulerOutput) -> None:
         start = request.num_computed_tokens
@@ -140,8 +194,9 @@ class ContinuousScheduler(Scheduler):
     """Iteration-level scheduling with chunked prefill and recompute preemption.
 
     Running requests go first (their decodes are never starved by a new prompt), each taking what it still
-    needs up to the token budget; then waiting requests are admitted FCFS into free slots with what budget is
-    left, a long prompt in chunks across steps. Out of blocks: the newest running request is preempted.
+    needs up to the token budget; then waiting requests are admitted in queue order (priority, then FCFS) into
+    free slots with what budget is left, a long prompt in chunks across steps, its cached prefix skipped. Out of
+    blocks: the lowest-priority, newest running request is preempted.
     """
 
     def schedule(self) -> SchedulerOutput:
@@ -165,9 +220,14 @@ class ContinuousScheduler(Scheduler):
         if not out.preempted:
             while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
                 request = self.waiting[0]
+                num_cached = self._take_cached_prefix(request)
                 n = min(request.num_tokens - request.num_computed_tokens, budget)
                 if not self._try_allocate(request, request.num_computed_tokens + n):
+                    self._return_cached_prefix(request)
                     break
+                if self.enable_prefix_caching:
+                    self.prefix_cache_queries += request.num_tokens
+                    self.prefix_cache_hits += num_cached * self.block_size
                 self._admit(request, out)
                 self._schedule_chunk(request, n, out)
                 budget -= n
@@ -181,7 +241,7 @@ class ContinuousScheduler(Scheduler):
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        bisect.insort(self.waiting, request, key=_order)  # ahead of later arrivals of its priority
         out.preempted.append(request)
 
 

@@ -21,7 +21,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loom.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestStream
+from loom.engine.async_engine import (
+    AsyncEngine,
+    EngineDead,
+    EngineOverloaded,
+    RequestFailed,
+    RequestStream,
+    RequestTimedOut,
+)
 from loom.engine.engine import RequestOutput
 from loom.engine.request import TokenLogprob
 from loom.server.metrics import ServerMetrics
@@ -42,6 +49,29 @@ class APIError(Exception):
 def error_response(e: APIError) -> JSONResponse:
     body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
     return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+
+def engine_error(e: Exception) -> APIError | None:
+    """The HTTP error for an exception a request's stream raised, or None if it is not the engine's."""
+    if isinstance(e, RequestFailed):  # the traceback is in the server log, never sent to the client
+        return APIError(500, "internal error while running this request", type_="internal_error")
+    if isinstance(e, RequestTimedOut):
+        return APIError(504, str(e), type_="timeout", code="request_timeout")
+    if isinstance(e, EngineDead):
+        return APIError(503, str(e), type_="engine_unavailable", code="engine_dead")
+    return None
+
+
+async def sse_with_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Once a stream's 200 header is out, an engine error becomes a final `data: {"error": ...}` event."""
+    try:
+        async for event in events:
+            yield event
+    except (RequestFailed, RequestTimedOut, EngineDead) as e:
+        err = engine_error(e)
+        payload = {"error": {"message": err.message, "type": err.type, "param": None, "code": err.code}}
+        yield f"data: {json.dumps(payload)}\n\n"
+        yield "data: [DONE]\n\n"
 
 
 class BodySizeLimit:
@@ -128,13 +158,14 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError(400, f"model {name!r} does not exist; this server serves {model_name!r}", param="model",
                            code="model_not_found")
 
-    def add_streams(prompts: list[str | list[int]], n: int, make_params, base_id: str) -> list[RequestStream]:
+    def add_streams(prompts: list[str | list[int]], n: int, make_params, base_id: str,
+                    priority: int) -> list[RequestStream]:
         """Queue n samples of every prompt; on any error, nothing stays queued."""
         streams: list[RequestStream] = []
         try:
             for pi, prompt in enumerate(prompts):
                 for i in range(n):
-                    streams.append(engine.add(prompt, make_params(i), request_id=f"{base_id}-{pi}-{i}"))
+                    streams.append(engine.add(prompt, make_params(i), f"{base_id}-{pi}-{i}", priority))
         except BaseException as e:
             for s in streams:
                 engine.abort(s.request_id)
@@ -144,7 +175,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 raise APIError(503, str(e), type_="server_overloaded", code="overloaded",
                                headers={"Retry-After": "1"}) from e
             if isinstance(e, EngineDead):
-                raise APIError(503, str(e), type_="engine_unavailable", code="engine_dead") from e
+                raise engine_error(e) from e
             raise
         return streams
 
@@ -201,7 +232,10 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 raise APIError(499, "client disconnected")
-        task.result()
+        try:
+            task.result()
+        except (RequestFailed, RequestTimedOut, EngineDead) as e:
+            raise engine_error(e) from e
         return finals
 
     def token_text(token_id: int) -> str:
@@ -295,7 +329,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError(400, str(e)) from e
         rid = f"cmpl-{uuid.uuid4().hex}"
         n = body.n
-        streams = add_streams(prompts, n, lambda i: body.sampling_params(max_tokens, body.logprobs, i), rid)
+        streams = add_streams(prompts, n, lambda i: body.sampling_params(max_tokens, body.logprobs, i), rid,
+                              body.priority)
         created = int(time.time())
         echo_texts = [
             (p if isinstance(p, str) else tokenizer.decode(p)) if body.echo else "" for p in prompts for _ in range(n)
@@ -341,7 +376,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 yield sse({**base, "choices": [], "usage": usage(streams, n, completion_tokens)})
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(sse_with_errors(events()), media_type="text/event-stream")
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
@@ -362,7 +397,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError(400, str(e)) from e
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         n = body.n
-        streams = add_streams([prompt_ids], n, lambda i: body.sampling_params(max_tokens, logprobs, i), rid)
+        streams = add_streams([prompt_ids], n, lambda i: body.sampling_params(max_tokens, logprobs, i), rid,
+                              body.priority)
         created = int(time.time())
 
         if not body.stream:
@@ -400,6 +436,6 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 yield sse({**base, "choices": [], "usage": usage(streams, n, completion_tokens)})
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(sse_with_errors(events()), media_type="text/event-stream")
 
     return app

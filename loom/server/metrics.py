@@ -26,6 +26,10 @@ class ServerMetrics:
         Gauge("loom_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", registry=r).set_function(
             lambda: eng.pool.num_used_blocks / eng.pool.num_usable_blocks)
         Gauge("loom_kv_blocks_total", "Usable KV blocks", registry=r).set(eng.pool.num_usable_blocks)
+        Gauge("loom_prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission",
+              registry=r).set_function(lambda: eng.scheduler.prefix_cache_queries)
+        Gauge("loom_prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache",
+              registry=r).set_function(lambda: eng.scheduler.prefix_cache_hits)
         self.prompt_tokens = Counter("loom_prompt_tokens", "Prompt tokens computed (prefill, incl. recompute)",
                                      registry=r)
         self.generation_tokens = Counter("loom_generation_tokens", "Tokens generated", registry=r)

@@ -33,6 +33,7 @@ class _SamplingFields(BaseModel):
     repetition_penalty: Number | None = None
     n: StrictInt = Field(default=1, ge=1, le=16)
     ignore_eos: StrictBool = False
+    priority: StrictInt = Field(default=0, ge=-(2**31), le=2**31 - 1)  # vLLM's extra field: lower runs first
     user: StrictStr | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
