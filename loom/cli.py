@@ -94,8 +94,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not loopback and not args.api_key:
         logging.getLogger("loom.server").warning(
             "binding %s without --api-key: anyone who can reach this port can use the model", args.host)
-    app = create_app(AsyncEngine(engine, max_waiting=args.max_waiting, request_timeout=args.request_timeout), name, api_key=args.api_key,
-                     max_body_bytes=args.max_body_bytes, open_metrics=args.open_metrics)
+    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting, request_timeout=args.request_timeout)
+    app = create_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                     open_metrics=args.open_metrics)
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the handler it found: make that a no-op so
     # a clean drain exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -106,6 +107,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench_offline(args: argparse.Namespace) -> int:
     from loom.bench.offline import main as bench_main
+
+    return bench_main(args)
+
+
+def cmd_bench_perf(args: argparse.Namespace) -> int:
+    from loom.bench.perf import main as bench_main
 
     return bench_main(args)
 
@@ -178,6 +185,19 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--model", default=None, help="a .gguf file or HF model directory (default: bundled SmolLM2)")
     _engine_args(off, kv_cache_gib=4.0)
     off.set_defaults(func=cmd_bench_offline)
+
+    pf = bsub.add_parser("perf", help="roofline figures: matmul peak, decode and prefill steps, memory; JSON lines")
+    pf.add_argument("--model", default=None, help="a .gguf file or HF model directory (default: bundled SmolLM2)")
+    pf.add_argument("--dtypes", default="float32,bfloat16")
+    pf.add_argument("--figures", default="peak,decode,prefill,interference,memory,agreement")
+    pf.add_argument("--interference-budgets", default="128,256,512", help="max_num_batched_tokens values to try")
+    pf.add_argument("--context", type=int, default=512, help="prompt tokens of each request in the decode figure")
+    pf.add_argument("--prefill-tokens", type=int, default=2048)
+    pf.add_argument("--kv-cache-memory", type=float, default=3.0, help="GiB")
+    pf.add_argument("--attention-backend", default="auto")
+    pf.add_argument("--agreement-requests", type=int, default=16, help="mixed requests run in both dtypes")
+    pf.add_argument("--threads", type=int, default=None)
+    pf.set_defaults(func=cmd_bench_perf)
 
     sv = bsub.add_parser("serve", help="online benchmark client for any OpenAI-compatible server")
     sv.add_argument("--base-url", default="http://127.0.0.1:8000")

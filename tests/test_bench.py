@@ -92,3 +92,42 @@ def test_trace_has_one_event_per_step_and_plots_are_written(tiny_llama, tmp_path
     ]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_offline_line_reports_roofline_and_fragmentation(tiny_llama):
+    from loom.bench.offline import run_once
+
+    engine = LLMEngine(EngineConfig(cache=CacheConfig(block_size=4, num_kv_blocks=64)), tiny_llama)
+    requests = [BenchRequest([5, 6, 7, 8, 9], 6), BenchRequest([1, 2, 3], 11)]
+    line, tokens, _ = run_once(engine, requests, "continuous", 2, 64)
+    assert [len(t) for t in tokens] == [6, 11] and line["output_tokens"] == 17
+    assert line["model_gflops"] > 0
+    # Per step, the unfilled tail of each request's last block of 4 slots is the only waste.
+    assert 0 < line["kv_fragmentation"] < 0.75
+
+
+def test_shared_prefix_workload_shares_its_system_prompt(smollm2):
+    from loom.bench.workloads import shared_prefix_workload
+
+    requests = shared_prefix_workload(smollm2.tokenizer, 4, system_tokens=300)
+    prompts = [r.prompt for r in requests]
+    common = next(i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1)
+    assert 300 <= common < 330 and all(len(p) > common for p in prompts)
+
+
+def test_perf_figures_on_a_tiny_model(tiny_llama):
+    from loom.bench.perf import decode_step, matmul_peak, prefill, prefill_interference
+
+    engine = LLMEngine(EngineConfig(scheduler=SchedulerConfig(8, 256), cache=CacheConfig(num_kv_blocks=256,
+                                                                                         enable_prefix_caching=False)),
+                       tiny_llama)
+    peak = matmul_peak(engine.runner.model, rows_options=(8, 64))
+    assert peak["peak_gflops"] > 0 and set(peak["gflops_by_rows_all_shapes"]) == {8, 64}
+    decode = decode_step(engine, batch=4, context=20)
+    assert decode["batch"] == 4 and decode["step_ms"] > 0 and decode["matmuls_alone_ms"] > 0
+    assert 0 <= decode["metadata_ms"] < decode["step_ms"]
+    pre = prefill(engine, 100, peak["peak_gflops"], repeats=1)
+    assert pre["prompt_tokens"] == 100 and pre["fraction_of_peak"] > 0
+    inter = prefill_interference(engine, budget=16, decoding=3, context=8, long_prompt=60)
+    assert inter["prefill_steps"] >= 60 // 13 and inter["itl_p99_ratio"] > 0
+    assert not engine.has_unfinished_requests() and engine.pool.num_free_blocks == engine.pool.num_usable_blocks

@@ -40,6 +40,10 @@ def run_once(engine: LLMEngine, requests: list[BenchRequest], policy: str, max_n
         raise RuntimeError("an ignore_eos request returned fewer tokens than asked")
     ttfts = sorted(o.metrics.ttft for o in outputs)
     records = tracer.records
+    cfg, block_size = engine.model_config, engine.config.cache.block_size
+    computed = sum(r.prefill_tokens + r.decode_tokens + r.pad_tokens for r in records)
+    flops = 2.0 * (computed * cfg.layer_matmul_params + out_tokens * cfg.lm_head_params)
+    held = [(r.blocks_used * block_size, r.tokens_in_cache) for r in records if r.blocks_used]
     return {
         "system": f"loom-{policy}",
         "seconds": round(seconds, 3),
@@ -50,6 +54,9 @@ def run_once(engine: LLMEngine, requests: list[BenchRequest], policy: str, max_n
         "steps": len(records),
         "ttft_p50_s": round(ttfts[len(ttfts) // 2], 3),
         "peak_kv_blocks_used": max((r.blocks_used for r in records), default=0),
+        "model_gflops": round(flops / seconds / 1e9, 1),
+        # KV slots allocated but holding no token (the unfilled tail of each request's last block), over all steps.
+        "kv_fragmentation": round(1 - sum(t for _, t in held) / max(1, sum(s for s, _ in held)), 4),
         "prefix_cache_hit_tokens": engine.scheduler.prefix_cache_hits,
         "prefix_caching": engine.config.cache.enable_prefix_caching and policy == "continuous",
     }, [o.token_ids for o in outputs], tracer

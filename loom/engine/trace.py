@@ -36,6 +36,7 @@ class StepRecord:
     waiting: int
     blocks_used: int
     blocks_total: int
+    tokens_in_cache: int  # K/V-holding tokens of running requests: blocks_used * block_size minus this is waste
     slots: list[SlotUse] = field(default_factory=list)
 
 
@@ -68,6 +69,7 @@ class StepTracer:
             waiting=len(scheduler.waiting),
             blocks_used=pool.num_used_blocks,
             blocks_total=pool.num_usable_blocks,
+            tokens_in_cache=sum(r.num_computed_tokens for r in scheduler.running),
             slots=slots,
         ))
 

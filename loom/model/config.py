@@ -35,9 +35,18 @@ class ModelConfig:
         return asdict(self)
 
     @property
-    def matmul_params_per_token(self) -> int:
-        """Weights every token multiplies through (all layers + LM head): FLOPs per token = 2x this."""
+    def layer_matmul_params(self) -> int:
+        """Weights every token multiplies through in the transformer layers (FLOPs = 2x per token)."""
         h, d = self.hidden_size, self.head_dim
         attn = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
         mlp = (3 if self.arch == "llama" else 2) * h * self.intermediate_size
-        return self.num_layers * (attn + mlp) + h * self.vocab_size
+        return self.num_layers * (attn + mlp)
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.hidden_size * self.vocab_size
+
+    @property
+    def matmul_params_per_token(self) -> int:
+        """Weights a sampled token multiplies through (all layers + LM head): FLOPs per token = 2x this."""
+        return self.layer_matmul_params + self.lm_head_params

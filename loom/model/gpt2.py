@@ -47,6 +47,7 @@ class GPT2Model:
             return (t.t().contiguous() if conv1d else t).to(dtype)
 
         self.wte = w("wte.weight")
+        self.lm_head = self.wte  # GPT-2 always ties its output head to the token embedding
         self.wpe = w("wpe.weight")
         self.ln_f_weight, self.ln_f_bias = w("ln_f.weight"), w("ln_f.bias")
         self.layers = [
@@ -87,7 +88,12 @@ class GPT2Model:
             hidden = hidden + F.linear(gelu_new(F.linear(x, layer.fc_weight, layer.fc_bias)), layer.proj_weight, layer.proj_bias)
         return hidden
 
+    def layer_matmul_weights(self) -> list[torch.Tensor]:
+        """Every weight the layers multiply by, in forward order (for matmul-only timing in benchmarks)."""
+        return [w for layer in self.layers for w in (layer.qkv_weight, layer.o_weight, layer.fc_weight,
+                                                      layer.proj_weight)]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         x = F.layer_norm(hidden, (self.config.hidden_size,), self.ln_f_weight, self.ln_f_bias, self.config.norm_eps)
-        return F.linear(x, self.wte).float()
+        return F.linear(x, self.lm_head).float()
 

@@ -101,6 +101,11 @@ class LlamaModel:
             hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight)
         return hidden
 
+    def layer_matmul_weights(self) -> list[torch.Tensor]:
+        """Every weight the layers multiply by, in forward order (for matmul-only timing in benchmarks)."""
+        return [w for layer in self.layers for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight,
+                                                      layer.down_weight)]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the selected rows only (one per sampling request, not every prompt token)."""
         x = rms_norm(hidden, self.final_norm, self.config.norm_eps)

@@ -1,0 +1,295 @@
+"""`loom bench perf`: the performance figures Loom is held to, each printed as one JSON line, measured in one process.
+
+- matmul_peak: F.linear throughput on the model's own weight shapes (the roofline every other figure is held to).
+- decode: one decode step at B running requests of C tokens of context, against the same step's matmuls alone,
+  and how much of the step is spent outside the model forward (scheduling, metadata, sampling, bookkeeping).
+- prefill: one long prompt alone, as achieved model FLOP/s and as a fraction of the measured peak.
+- serve_memory: peak RSS of a `loom serve` process on the model after a short burst of requests.
+- prefill_interference: p99 inter-token latency of 32 decoding requests while a 4000-token prompt is prefilled,
+  per token budget (the chunked-prefill trade-off).
+- agreement: greedy bfloat16 outputs against float32 on the first mixed-workload requests.
+Timings are medians of several runs; nothing here is asserted, only reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import torch
+import torch.nn.functional as F
+
+from loom.bench.offline import run_once
+from loom.bench.workloads import mixed_workload
+from loom.config import CacheConfig, EngineConfig, SchedulerConfig
+from loom.engine.batch import build_batch_metadata
+from loom.engine.engine import LLMEngine
+from loom.model.loader import LoadedModel, load_model
+from loom.model.sampler import sample
+from loom.sampling import SamplingParams
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def matmuls_alone(model, rows: int, lm_head_rows: int) -> Callable[[], None]:
+    """A closure that runs every matmul of one forward (layers at `rows` rows, LM head at `lm_head_rows`)."""
+    weights = model.layer_matmul_weights()
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
+    head_in = torch.randn(lm_head_rows, model.lm_head.shape[1], dtype=model.lm_head.dtype)
+
+    def run() -> None:
+        for w in weights:
+            F.linear(inputs[w.shape[1]], w)
+        if lm_head_rows:
+            F.linear(head_in, model.lm_head)
+
+    return run
+
+
+@torch.inference_mode()
+def matmul_peak(model, rows_options: tuple[int, ...] = (64, 256, 512, 2048)) -> dict:
+    """Best F.linear FLOP/s over the model's distinct weight shapes and several row counts."""
+    shapes = {tuple(w.shape): w for w in model.layer_matmul_weights()}
+    shapes[tuple(model.lm_head.shape)] = model.lm_head
+    best, per_rows = 0.0, {}
+    for rows in rows_options:
+        flops_total, seconds_total = 0.0, 0.0
+        for shape, w in shapes.items():
+            x = torch.randn(rows, shape[1], dtype=w.dtype)
+            sec = median_seconds(lambda: F.linear(x, w), repeats=3)
+            flops = 2.0 * rows * shape[0] * shape[1]
+            best = max(best, flops / sec)
+            flops_total += flops
+            seconds_total += sec
+        per_rows[rows] = round(flops_total / seconds_total / 1e9, 1)
+    return {"peak_gflops": round(best / 1e9, 1), "gflops_by_rows_all_shapes": per_rows}
+
+
+def _random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab) for _ in range(n)]
+
+
+@torch.inference_mode()
+def decode_step(engine: LLMEngine, batch: int, context: int, seed: int = 0) -> dict:
+    """Fill the running set with `batch` requests of `context` prompt tokens, then time their decode steps."""
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    ids = [
+        engine.add_request(_random_prompt(rng, context, vocab), SamplingParams(max_tokens=64, temperature=0.0,
+                                                                               ignore_eos=True))
+        for _ in range(batch)
+    ]
+    while any(engine.requests[i].num_output_tokens == 0 for i in ids):
+        engine.step()
+    captured = []
+    with engine.observing(lambda out, result, *_: captured.append((out, result))):
+        step_s = median_seconds(engine.step, repeats=5, warmup=1)
+    out, result = captured[-1]
+    meta = result.metadata
+    runner = engine.runner
+    model, kv = runner.model, runner.kv_caches
+    # Re-running the last step's forward rewrites the same K/V at the same slots: harmless, and timed alone.
+    forward_s = median_seconds(lambda: model.forward(meta, kv, runner.attention), repeats=3)
+    hidden = model.forward(meta, kv, runner.attention)[meta.logits_indices]
+    logits_s = median_seconds(lambda: model.compute_logits(hidden), repeats=3)
+    logits = model.compute_logits(hidden)
+    requests = [out.scheduled[i].request for i in meta.sampled_scheduled_index]
+    metadata_s = median_seconds(lambda: build_batch_metadata(out, engine.config.cache.block_size), repeats=5)
+    sample_s = median_seconds(lambda: sample(logits, requests), repeats=5)
+    matmul_s = median_seconds(matmuls_alone(model, meta.num_tokens, len(requests)), repeats=3)
+    for i in ids:
+        engine.abort(i)
+    outside = step_s - forward_s - logits_s
+    return {
+        "batch": batch,
+        "context_tokens": context,
+        "step_ms": round(step_s * 1e3, 2),
+        "matmuls_alone_ms": round(matmul_s * 1e3, 2),
+        "step_over_matmuls": round(step_s / matmul_s, 2),
+        "forward_ms": round(forward_s * 1e3, 2),
+        "attention_and_other_forward_ms": round((forward_s + logits_s - matmul_s) * 1e3, 2),
+        "metadata_ms": round(metadata_s * 1e3, 3),
+        "sampling_ms": round(sample_s * 1e3, 3),
+        "outside_forward_ms": round(outside * 1e3, 2),
+        "outside_forward_share": round(outside / step_s, 3),
+        "output_tokens_per_s": round(batch / step_s, 1),
+    }
+
+
+@torch.inference_mode()
+def prefill(engine: LLMEngine, prompt_tokens: int, peak_gflops: float, repeats: int = 3, seed: int = 1) -> dict:
+    """One prompt alone, prefilled in one step (distinct prompts, so the prefix cache cannot help)."""
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    cfg = engine.model_config
+    times = []
+    for _ in range(repeats + 1):
+        engine.add_request(_random_prompt(rng, prompt_tokens, vocab), SamplingParams(max_tokens=1, temperature=0.0))
+        start = time.perf_counter()
+        engine.run_to_completion()
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times[1:])
+    flops = 2.0 * (prompt_tokens * cfg.layer_matmul_params + cfg.lm_head_params)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "seconds": round(seconds, 3),
+        "prompt_tokens_per_s": round(prompt_tokens / seconds, 1),
+        "model_gflops": round(flops / seconds / 1e9, 1),
+        "fraction_of_peak": round(flops / seconds / 1e9 / peak_gflops, 3),
+    }
+
+
+@torch.inference_mode()
+def prefill_interference(engine: LLMEngine, budget: int, decoding: int = 32, context: int = 256,
+                         long_prompt: int = 4000, seed: int = 2) -> dict:
+    """Inter-token latency of `decoding` running requests before and while a `long_prompt` prompt is prefilled.
+
+    With chunked prefill each step carries every decode plus up to `budget - decoding` prompt tokens, so the
+    budget trades the long prompt's time to first token against everyone else's inter-token latency.
+    """
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    engine.set_scheduler(SchedulerConfig(max_num_seqs=decoding + 1, max_num_batched_tokens=budget))
+    params = SamplingParams(max_tokens=engine.max_model_len - context, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(_random_prompt(rng, context, vocab), params) for _ in range(decoding)]
+    while any(engine.requests[i].num_output_tokens == 0 for i in ids):
+        engine.step()
+    step_times: list[float] = []
+    with engine.observing(lambda out, result, outputs, seconds: step_times.append(seconds)):
+        for _ in range(8):
+            engine.step()
+        before = step_times[2:]
+        step_times.clear()
+        long_id = engine.add_request(_random_prompt(rng, long_prompt, vocab), SamplingParams(max_tokens=1))
+        started = time.perf_counter()
+        while long_id in engine.requests:
+            engine.step()
+        ttft = time.perf_counter() - started
+    during = step_times
+    for i in ids:
+        engine.abort(i)
+
+    def p99(xs: list[float]) -> float:
+        return sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))]
+
+    return {
+        "max_num_batched_tokens": budget,
+        "decoding_requests": decoding,
+        "long_prompt_tokens": long_prompt,
+        "itl_p99_before_ms": round(p99(before) * 1e3, 1),
+        "itl_p99_during_ms": round(p99(during) * 1e3, 1),
+        "itl_p99_ratio": round(p99(during) / p99(before), 2),
+        "long_prompt_ttft_s": round(ttft, 2),
+        "prefill_steps": len(during),
+    }
+
+
+def serve_memory(model: str | None, dtype: str, requests: int = 16) -> dict:
+    """Start `loom serve`, send a burst of requests, read the process's peak resident memory (VmHWM)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "loom.cli", "serve", "--port", str(port), "--dtype", dtype]
+    if model:
+        cmd.insert(4, model)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        idle_kib = _vm_hwm_kib(proc.pid)
+
+        def one(i: int) -> None:
+            httpx.post(base + "/v1/completions", json={"prompt": f"Request {i}: tell me a story.", "max_tokens": 64,
+                                                       "ignore_eos": True}, timeout=300)
+
+        with ThreadPoolExecutor(requests) as pool:
+            list(pool.map(one, range(requests)))
+        return {"dtype": dtype, "requests": requests, "peak_rss_mib_after_start": round(idle_kib / 1024),
+                "peak_rss_mib": round(_vm_hwm_kib(proc.pid) / 1024)}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def _vm_hwm_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc status")
+
+
+def _emit(line: dict) -> None:
+    print(json.dumps(line), flush=True)
+
+
+def main(args: argparse.Namespace) -> int:
+    loaded: LoadedModel = load_model(args.model)
+    figures = set(args.figures.split(","))
+    for dtype in args.dtypes.split(","):
+        config = EngineConfig(
+            dtype=dtype, num_threads=args.threads, attention_backend=args.attention_backend,
+            scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max(2048, args.prefill_tokens)),
+            cache=CacheConfig(kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), enable_prefix_caching=False),
+        )
+        engine = LLMEngine(config, loaded)
+        base = {"dtype": dtype, "threads": torch.get_num_threads(), "attention_backend": type(
+            engine.runner.attention).__name__}
+        peak = matmul_peak(engine.runner.model)
+        if "peak" in figures:
+            _emit({"figure": "matmul_peak", **base, **peak})
+        if "decode" in figures:
+            for batch in (1, 64):
+                _emit({"figure": "decode", **base, **decode_step(engine, batch, args.context)})
+        if "prefill" in figures:
+            _emit({"figure": "prefill", **base, **prefill(engine, args.prefill_tokens, peak["peak_gflops"])})
+        if "interference" in figures:
+            for budget in (int(b) for b in args.interference_budgets.split(",")):
+                _emit({"figure": "prefill_interference", **base, **prefill_interference(engine, budget)})
+        if "memory" in figures:
+            _emit({"figure": "serve_memory", **serve_memory(args.model, dtype)})
+    if "agreement" in figures:
+        _emit({"figure": "agreement", **dtype_agreement(loaded, args.agreement_requests)})
+    return 0
+
+
+def dtype_agreement(loaded: LoadedModel, num_requests: int) -> dict:
+    """Share of positions where bf16 and fp32 greedy outputs agree, and of requests identical throughout."""
+    requests = mixed_workload(loaded.tokenizer, num_requests)
+    outputs = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = LLMEngine(EngineConfig(dtype=dtype), loaded)
+        _, outputs[dtype], _ = run_once(engine, requests, "continuous", num_requests, 512)
+    same_positions = total = identical = prefix = 0
+    for a, b in zip(outputs["float32"], outputs["bfloat16"]):
+        same_positions += sum(x == y for x, y in zip(a, b))
+        total += len(a)
+        identical += a == b
+        prefix += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+    return {"requests": num_requests, "tokens": total, "position_agreement": round(same_positions / total, 4),
+            "tokens_before_first_divergence": round(prefix / total, 4), "identical_requests": identical}
