@@ -192,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--figures", default="peak,decode,prefill,interference,memory,agreement")
     pf.add_argument("--interference-budgets", default="128,256,512", help="max_num_batched_tokens values to try")
     pf.add_argument("--context", type=int, default=512, help="prompt tokens of each request in the decode figure")
+    pf.add_argument("--decode-batches", default="1,64", help="running requests in the decode figure")
     pf.add_argument("--prefill-tokens", type=int, default=2048)
     pf.add_argument("--kv-cache-memory", type=float, default=3.0, help="GiB")
     pf.add_argument("--attention-backend", default="auto")

@@ -39,6 +39,8 @@ def test_block_pool_lru_eviction_and_lookup():
     pool.free(a[:2] + fresh)
     assert pool.num_free_blocks == pool.num_usable_blocks
     pool.check_invariants()
+    pool.reset_prefix_cache()
+    assert pool.cached_prefix(keys) == [] and pool.num_cached_blocks == 0
 
 
 def test_shared_prefix_is_computed_once(tiny_llama, alone_outputs):

@@ -215,3 +215,21 @@ def test_chat_template_cannot_reach_python_internals(tiny_llama_dir, tmp_path):
         assert "chat template" in str(e)
     else:
         assert "subclasses" not in rendered and "<class" not in rendered
+
+
+def test_out_of_kv_blocks_preempts_and_a_request_that_never_fits_gets_400(tiny_llama):
+    with running_server(tiny_llama, max_num_seqs=8, num_kv_blocks=8) as (base, engine):  # 7 blocks of 16 tokens
+        r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 200}, timeout=30)
+        assert r.status_code == 400 and "KV blocks" in r.json()["error"]["message"]
+
+        async def crowd():
+            async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+                body = {"prompt": "a b c d e f g h", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+                return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(8)))
+
+        answers = asyncio.run(crowd())
+        assert [a.status_code for a in answers] == [200] * 8
+        assert len({a.json()["choices"][0]["text"] for a in answers}) == 1  # preemption changed no result
+        assert engine.scheduler.num_preemptions > 0, "8 x 3 blocks cannot fit in 7: someone must be preempted"
+        _wait_idle(engine)
+        assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks

@@ -25,6 +25,7 @@ def run_once(engine: LLMEngine, requests: list[BenchRequest], policy: str, max_n
              max_num_batched_tokens: int) -> tuple[dict, list[list[int]], StepTracer]:
     """Every request greedy with ignore_eos (so each generates exactly max_tokens), timed end to end."""
     engine.set_scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy))
+    engine.pool.reset_prefix_cache()  # every run starts cold, whatever ran before it on this engine
     tracer = StepTracer(engine)
     started = time.perf_counter()
     ids = [

@@ -150,12 +150,16 @@ def prefill(engine: LLMEngine, prompt_tokens: int, peak_gflops: float, repeats: 
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times[1:])
     flops = 2.0 * (prompt_tokens * cfg.layer_matmul_params + cfg.lm_head_params)
+    # Causal attention: QK^T and PV over n(n+1)/2 query-key pairs per head and layer (not in the matmul count).
+    attention = 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * prompt_tokens * (prompt_tokens + 1) / 2
     return {
         "prompt_tokens": prompt_tokens,
         "seconds": round(seconds, 3),
         "prompt_tokens_per_s": round(prompt_tokens / seconds, 1),
         "model_gflops": round(flops / seconds / 1e9, 1),
         "fraction_of_peak": round(flops / seconds / 1e9 / peak_gflops, 3),
+        "attention_gflop": round(attention / 1e9, 1),
+        "with_attention_fraction_of_peak": round((flops + attention) / seconds / 1e9 / peak_gflops, 3),
     }
 
 
@@ -167,6 +171,8 @@ def prefill_interference(engine: LLMEngine, budget: int, decoding: int = 32, con
     With chunked prefill each step carries every decode plus up to `budget - decoding` prompt tokens, so the
     budget trades the long prompt's time to first token against everyone else's inter-token latency.
     """
+    if budget <= decoding:
+        raise ValueError(f"a budget of {budget} tokens leaves nothing for the prompt beside {decoding} decodes")
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     engine.set_scheduler(SchedulerConfig(max_num_seqs=decoding + 1, max_num_batched_tokens=budget))
@@ -264,7 +270,7 @@ def main(args: argparse.Namespace) -> int:
         if "peak" in figures:
             _emit({"figure": "matmul_peak", **base, **peak})
         if "decode" in figures:
-            for batch in (1, 64):
+            for batch in (int(b) for b in args.decode_batches.split(",")):
                 _emit({"figure": "decode", **base, **decode_step(engine, batch, args.context)})
         if "prefill" in figures:
             _emit({"figure": "prefill", **base, **prefill(engine, args.prefill_tokens, peak["peak_gflops"])})

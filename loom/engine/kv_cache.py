@@ -120,6 +120,11 @@ class BlockPool:
                 del self._free[b]
             self._ref_counts[b] += 1
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks stay where they are); e.g. so benchmark runs start cold."""
+        self._key_of_block.clear()
+        self._block_of_key.clear()
+
     def check_invariants(self) -> None:
         """Every block is owned xor free; keys map both ways; the null block is never handed out (for tests)."""
         for b in range(1, self.num_blocks):

@@ -223,7 +223,8 @@ class ContinuousScheduler(Scheduler):
                 num_cached = self._take_cached_prefix(request)
                 n = min(request.num_tokens - request.num_computed_tokens, budget)
                 if not self._try_allocate(request, request.num_computed_tokens + n):
-                    self._return_cached_prefix(request)
+                    if num_cached:
+                        self._return_cached_prefix(request)
                     break
                 if self.enable_prefix_caching:
                     self.prefix_cache_queries += request.num_tokens

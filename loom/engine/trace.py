@@ -36,7 +36,7 @@ class StepRecord:
     waiting: int
     blocks_used: int
     blocks_total: int
-    tokens_in_cache: int  # K/V-holding tokens of running requests: blocks_used * block_size minus this is waste
+    tokens_in_cache: int  # filled KV slots of running requests' blocks (shared blocks once): the rest is waste
     slots: list[SlotUse] = field(default_factory=list)
 
 
@@ -69,9 +69,19 @@ class StepTracer:
             waiting=len(scheduler.waiting),
             blocks_used=pool.num_used_blocks,
             blocks_total=pool.num_usable_blocks,
-            tokens_in_cache=sum(r.num_computed_tokens for r in scheduler.running),
+            tokens_in_cache=self._filled_slots(),
             slots=slots,
         ))
+
+    def _filled_slots(self) -> int:
+        """Slots holding a computed token, counting a block shared through the prefix cache once."""
+        block_size = self.engine.config.cache.block_size
+        filled: dict[int, int] = {}
+        for r in self.engine.scheduler.running:
+            for i, block in enumerate(r.block_ids):
+                n = min(block_size, max(0, r.num_computed_tokens - i * block_size))
+                filled[block] = max(filled.get(block, 0), n)
+        return sum(filled.values())
 
     def to_chrome_trace(self) -> dict:
         events = []
