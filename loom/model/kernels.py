@@ -1,6 +1,6 @@
 """Loom's C++ CPU kernels, compiled on first use with torch.utils.cpp_extension and cached per machine.
 
-`make install` builds them (`python -m loom.model.kernels`), so a server's first start does not pay the ~1 minute
+`make install` builds them (`loom.model.kernels.build()`), so a server's first start does not pay the ~1 minute
 compile. If no compiler is available, `load_paged_attention()` returns None and callers fall back to torch ops.
 """
 
@@ -53,7 +53,8 @@ def load_paged_attention(verbose: bool = False) -> ModuleType | None:
         return None
 
 
-if __name__ == "__main__":
+def build() -> None:
+    """Compile (or find cached) every kernel now and say whether it is usable; `make install` calls this."""
     logging.basicConfig(level=logging.INFO)
-    module = load_paged_attention(verbose=True)
-    print("paged attention kernel:", "ready" if module else "unavailable")
+    module = load_paged_attention()
+    print("loom paged attention kernel:", "ready" if module else "unavailable (torch SDPA will be used)")
