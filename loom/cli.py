@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--decode-batches", default="1,64", help="running requests in the decode figure")
     pf.add_argument("--prefill-tokens", type=int, default=2048)
     pf.add_argument("--kv-cache-memory", type=float, default=3.0, help="GiB")
-    pf.add_argument("--attention-backend", default="auto")
+    pf.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
     pf.add_argument("--agreement-requests", type=int, default=16, help="mixed requests run in both dtypes")
     pf.add_argument("--threads", type=int, default=None)
     pf.set_defaults(func=cmd_bench_perf)

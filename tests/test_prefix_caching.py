@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -115,6 +116,10 @@ def test_priority_orders_admission(tiny_llama):
         engine.add_request([1, 2, 3], greedy(2), request_id=rid, priority=prio)
     engine.run_to_completion()
     assert admitted == ["urgent", "mid-a", "mid-b", "late-low"]  # lower first, FCFS within a priority
+    for bad in ("high", 1.5, True):
+        with pytest.raises(ValueError, match="priority"):
+            engine.add_request([1, 2, 3], greedy(2), priority=bad)
+    assert not engine.has_unfinished_requests()
 
 
 def test_preemption_takes_the_lowest_priority_first(tiny_llama, alone_outputs):

@@ -149,6 +149,8 @@ class LLMEngine:
     ) -> Request:
         """Tokenize and validate without touching engine state, so another thread may do it while steps run."""
         params = params or SamplingParams()
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
