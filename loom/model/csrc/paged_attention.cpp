@@ -25,6 +25,18 @@ inline const float* load_row(const T* row, float* buffer, int64_t size) {
   }
 }
 
+// Calls visit(t, row) for tokens t = 0..len-1 of one sequence, row = its K or V row (all KV heads) as float32.
+// Walks the block table block by block: no division per token, contiguous rows within a block.
+template <typename T, typename Visit>
+inline void for_each_row(const T* cache, const int64_t* table, int64_t len, int64_t block_size, int64_t row_size,
+                         float* buffer, Visit&& visit) {
+  for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
+    const T* block = cache + table[b] * block_size * row_size;
+    const int64_t n = std::min(block_size, len - t0);
+    for (int64_t j = 0; j < n; ++j) visit(t0 + j, load_row(block + j * row_size, buffer, row_size));
+  }
+}
+
 // HEAD_DIM > 0 fixes the head size at compile time so the dot products unroll and vectorise; 0 reads it at run time.
 template <typename T, int64_t HEAD_DIM>
 void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
@@ -45,21 +57,15 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
       for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = to_float(q_seq[i]) * scale;
       scores.resize(num_heads * len);
 
-      // Walk the block table once per pass: no division per token, contiguous rows within a block.
-      for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
-        const T* block_keys = k_cache + table[b] * block_size * row_size;
-        const int64_t n = std::min(block_size, len - t0);
-        for (int64_t j = 0; j < n; ++j) {
-          const float* keys = load_row(block_keys + j * row_size, row.data(), row_size);
-          for (int64_t h = 0; h < num_heads; ++h) {
-            const float* qh = qf.data() + h * head_dim;
-            const float* key = keys + (h / group) * head_dim;
-            float s = 0.f;
-            for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * key[d];
-            scores[h * len + t0 + j] = s;
-          }
+      for_each_row(k_cache, table, len, block_size, row_size, row.data(), [&](int64_t t, const float* keys) {
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float* qh = qf.data() + h * head_dim;
+          const float* key = keys + (h / group) * head_dim;
+          float s = 0.f;
+          for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * key[d];
+          scores[h * len + t] = s;
         }
-      }
+      });
       for (int64_t h = 0; h < num_heads; ++h) {
         float* sh = scores.data() + h * len;
         const float m = *std::max_element(sh, sh + len);
@@ -72,19 +78,14 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
       }
 
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
-        const T* block_values = v_cache + table[b] * block_size * row_size;
-        const int64_t n = std::min(block_size, len - t0);
-        for (int64_t j = 0; j < n; ++j) {
-          const float* values = load_row(block_values + j * row_size, row.data(), row_size);
-          for (int64_t h = 0; h < num_heads; ++h) {
-            const float p = scores[h * len + t0 + j];
-            const float* value = values + (h / group) * head_dim;
-            float* ah = acc.data() + h * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * value[d];
-          }
+      for_each_row(v_cache, table, len, block_size, row_size, row.data(), [&](int64_t t, const float* values) {
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float p = scores[h * len + t];
+          const float* value = values + (h / group) * head_dim;
+          float* ah = acc.data() + h * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * value[d];
         }
-      }
+      });
       T* out_seq = out + seq * num_heads * head_dim;
       for (int64_t h = 0; h < num_heads; ++h)
         for (int64_t d = 0; d < head_dim; ++d) out_seq[h * head_dim + d] = T(acc[h * head_dim + d] * inv_sum[h]);
