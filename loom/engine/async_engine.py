@@ -173,11 +173,14 @@ class AsyncEngine:
     def _abort(self, request_id: str, error: BaseException | None = None) -> None:
         """Abort a request; its stream gets its final output, or `error` instead when one is given."""
         output = self.engine.abort(request_id)
-        if output is None:
-            return
+        if output is not None:
+            self._ended_early(output, error)
+
+    def _ended_early(self, output: RequestOutput, error: BaseException | None = None) -> None:
+        """Report a request the engine ended outside a normal step: to `on_abort`, then to its stream."""
         if self.on_abort is not None:
             self.on_abort(output)
-        self._deliver(request_id, error if error is not None else output)
+        self._deliver(output.request_id, error if error is not None else output)
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
@@ -193,9 +196,7 @@ class AsyncEngine:
             log.error("model step failed; ending its %d request(s) with an error", len(e.outputs),
                       exc_info=e.__cause__)
             for output in e.outputs:
-                if self.on_abort is not None:
-                    self.on_abort(output)
-                self._deliver(output.request_id, RequestFailed("internal error while running this request"))
+                self._ended_early(output, RequestFailed("internal error while running this request"))
             return
         for output in outputs:
             self._deliver(output.request_id, output)

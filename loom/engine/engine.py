@@ -204,10 +204,7 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return None
-        self.scheduler.finish(request, "abort")
-        output = self._output(request, final=True)
-        self._forget(request_id)
-        return output
+        return self._end_now(request, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -221,7 +218,8 @@ class LLMEngine:
         try:
             result = None if out.is_empty else self.runner.execute(out)
         except Exception as e:
-            raise StepFailed([self._fail(s.request) for s in out.scheduled]) from e
+            # Nothing of the failed step is appended; its requests end with their blocks and slots freed.
+            raise StepFailed([self._end_now(s.request, "error") for s in out.scheduled]) from e
         outputs: list[RequestOutput] = []
         if result is not None:
             now = time.monotonic()
@@ -310,9 +308,9 @@ class LLMEngine:
             logprobs=list(request.output_logprobs),
         )
 
-    def _fail(self, request: Request) -> RequestOutput:
-        """End a request whose step raised: blocks and slot back, nothing of that step appended."""
-        self.scheduler.finish(request, "error")
+    def _end_now(self, request: Request, reason: str) -> RequestOutput:
+        """Finish a request outside the normal stop checks (abort, failed step); returns its final output."""
+        self.scheduler.finish(request, reason)
         output = self._output(request, final=True)
         self._forget(request.request_id)
         return output
