@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -18,13 +17,8 @@ from loom import LLM, SamplingParams
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.engine.async_engine import AsyncEngine
 from loom.engine.engine import LLMEngine
+from loom.bench.serve_client import free_loopback_port, wait_until_healthy
 from loom.server.app import create_app
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -34,7 +28,7 @@ def running_server(loaded, max_num_seqs=16, num_kv_blocks=256, **app_kwargs):
     async_engine = AsyncEngine(engine, max_waiting=app_kwargs.pop("max_waiting", None),
                                request_timeout=app_kwargs.pop("request_timeout", None))
     app = create_app(async_engine, "tiny", **app_kwargs)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_loopback_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
@@ -273,20 +267,14 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(tiny_llama_dir):
     import subprocess
     import sys
 
-    port = _free_port()
+    port = free_loopback_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "loom.cli", "serve", str(tiny_llama_dir), "--port", str(port), "--shutdown-timeout", "20"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_until_healthy(base, timeout=60)
         body = {"prompt": "Once upon a time", "max_tokens": 200, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as resp:
             lines = resp.iter_lines()

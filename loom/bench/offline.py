@@ -63,7 +63,8 @@ def run_once(engine: LLMEngine, requests: list[BenchRequest], policy: str, max_n
     }, [o.token_ids for o in outputs], tracer
 
 
-def _emit(line: dict) -> None:
+def emit(line: dict) -> None:
+    """One result as one JSON line on stdout."""
     print(json.dumps(line), flush=True)
 
 
@@ -74,13 +75,13 @@ def _hf_peer(args, loaded, requests: list[BenchRequest], max_num_seqs: int, engi
     prompts = [r.prompt if isinstance(r.prompt, list) else loaded.tokenizer.encode(r.prompt) for r in subset]
     loom_line, loom_tokens, _ = run_once(engine, subset, "continuous", max_num_seqs, args.max_num_batched_tokens)
     base = {"workload": name, "dtype": "float32", "requests": len(subset), "max_num_seqs": max_num_seqs}
-    _emit({**base, **loom_line, "system": "loom-continuous(subset)"})
+    emit({**base, **loom_line, "system": "loom-continuous(subset)"})
     model = load_hf_model(args.model)
     pad = loaded.tokenizer.eos_token_ids[0] if loaded.tokenizer.eos_token_ids else 0
     ok = True
     seconds, tokens = hf_static(model, prompts, subset, max_num_seqs, pad)
     useful = sum(r.max_tokens for r in subset)
-    _emit({**base, "system": "hf-generate-static", "seconds": round(seconds, 3), "output_tokens": useful,
+    emit({**base, "system": "hf-generate-static", "seconds": round(seconds, 3), "output_tokens": useful,
            "output_tokens_per_s": round(useful / seconds, 2),
            "loom_continuous_over_this": round(loom_line["output_tokens_per_s"] * seconds / useful, 3),
            "identical_outputs_to_loom": tokens == loom_tokens})
@@ -88,9 +89,9 @@ def _hf_peer(args, loaded, requests: list[BenchRequest], max_num_seqs: int, engi
     try:
         seconds, tokens, generated = hf_continuous(model, prompts, subset)
     except Exception as e:  # generate_batch is new and version-dependent: report, do not crash the run
-        _emit({**base, "system": "hf-generate-batch", "error": f"{type(e).__name__}: {e}"})
+        emit({**base, "system": "hf-generate-batch", "error": f"{type(e).__name__}: {e}"})
         return ok
-    _emit({**base, "system": "hf-generate-batch", "seconds": round(seconds, 3), "output_tokens": useful,
+    emit({**base, "system": "hf-generate-batch", "seconds": round(seconds, 3), "output_tokens": useful,
            "generated_tokens": generated, "output_tokens_per_s": round(useful / seconds, 2),
            "generated_tokens_per_s": round(generated / seconds, 2),
            "loom_continuous_over_this": round(loom_line["output_tokens_per_s"] * seconds / useful, 3),
@@ -118,14 +119,14 @@ def main(args: argparse.Namespace) -> int:
             for policy in args.policies.split(","):
                 results[policy], tokens[policy], traces[policy] = run_once(
                     engine, requests, policy, seqs, args.max_num_batched_tokens)
-                _emit({**base, **results[policy]})
+                emit({**base, **results[policy]})
                 if args.trace:
                     traces[policy].save_chrome_trace(Path(args.trace) / f"{name}-{dtype}-{policy}.json")
             if {"static", "continuous"} <= set(results):
                 same = tokens["static"] == tokens["continuous"]
                 ok &= same
                 st = results["static"]
-                _emit({**base, "summary": True,
+                emit({**base, "summary": True,
                        "continuous_over_static": round(results["continuous"]["output_tokens_per_s"]
                                                        / st["output_tokens_per_s"], 3),
                        "static_pad_fraction": round(st["pad_tokens"] / (st["pad_tokens"] + st["prefill_tokens"]
@@ -151,7 +152,7 @@ def main(args: argparse.Namespace) -> int:
                 line, _, _ = run_once(engine, requests, "continuous", limits["max_num_seqs"],
                                       limits["max_num_batched_tokens"])
                 throughput.append(line["output_tokens_per_s"])
-                _emit({"workload": names[-1], "dtype": dtype, "sweep": key, key: x, **line})
+                emit({"workload": names[-1], "dtype": dtype, "sweep": key, key: x, **line})
             if plot_dir is not None:
                 from loom.bench.plots import throughput_vs
 

@@ -14,10 +14,8 @@ Timings are medians of several runs; nothing here is asserted, only reported.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,7 +27,8 @@ import httpx
 import torch
 import torch.nn.functional as F
 
-from loom.bench.offline import run_once
+from loom.bench.offline import emit, run_once
+from loom.bench.serve_client import free_loopback_port, wait_until_healthy
 from loom.bench.workloads import mixed_workload
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.engine.batch import build_batch_metadata
@@ -142,13 +141,13 @@ def prefill(engine: LLMEngine, prompt_tokens: int, peak_gflops: float, repeats: 
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     cfg = engine.model_config
-    times = []
-    for _ in range(repeats + 1):
-        engine.add_request(_random_prompt(rng, prompt_tokens, vocab), SamplingParams(max_tokens=1, temperature=0.0))
-        start = time.perf_counter()
+    prompts = [_random_prompt(rng, prompt_tokens, vocab) for _ in range(repeats + 1)]
+
+    def one_prompt() -> None:
+        engine.add_request(prompts.pop(), SamplingParams(max_tokens=1, temperature=0.0))
         engine.run_to_completion()
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times[1:])
+
+    seconds = median_seconds(one_prompt, repeats=repeats, warmup=1)
     flops = 2.0 * (prompt_tokens * cfg.layer_matmul_params + cfg.lm_head_params)
     # Causal attention: QK^T and PV over n(n+1)/2 query-key pairs per head and layer (not in the matmul count).
     attention = 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * prompt_tokens * (prompt_tokens + 1) / 2
@@ -212,22 +211,14 @@ def prefill_interference(engine: LLMEngine, budget: int, decoding: int = 32, con
 
 def serve_memory(model: str | None, dtype: str, requests: int = 16) -> dict:
     """Start `loom serve`, send a burst of requests, read the process's peak resident memory (VmHWM)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_loopback_port()
     cmd = [sys.executable, "-m", "loom.cli", "serve", "--port", str(port), "--dtype", dtype]
     if model:
         cmd.insert(4, model)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        wait_until_healthy(base, timeout=180)
         idle_kib = _vm_hwm_kib(proc.pid)
 
         def one(i: int) -> None:
@@ -250,10 +241,6 @@ def _vm_hwm_kib(pid: int) -> int:
     raise RuntimeError("no VmHWM in /proc status")
 
 
-def _emit(line: dict) -> None:
-    print(json.dumps(line), flush=True)
-
-
 def main(args: argparse.Namespace) -> int:
     loaded: LoadedModel = load_model(args.model)
     figures = set(args.figures.split(","))
@@ -268,19 +255,19 @@ def main(args: argparse.Namespace) -> int:
             engine.runner.attention).__name__}
         peak = matmul_peak(engine.runner.model)
         if "peak" in figures:
-            _emit({"figure": "matmul_peak", **base, **peak})
+            emit({"figure": "matmul_peak", **base, **peak})
         if "decode" in figures:
             for batch in (int(b) for b in args.decode_batches.split(",")):
-                _emit({"figure": "decode", **base, **decode_step(engine, batch, args.context)})
+                emit({"figure": "decode", **base, **decode_step(engine, batch, args.context)})
         if "prefill" in figures:
-            _emit({"figure": "prefill", **base, **prefill(engine, args.prefill_tokens, peak["peak_gflops"])})
+            emit({"figure": "prefill", **base, **prefill(engine, args.prefill_tokens, peak["peak_gflops"])})
         if "interference" in figures:
             for budget in (int(b) for b in args.interference_budgets.split(",")):
-                _emit({"figure": "prefill_interference", **base, **prefill_interference(engine, budget)})
+                emit({"figure": "prefill_interference", **base, **prefill_interference(engine, budget)})
         if "memory" in figures:
-            _emit({"figure": "serve_memory", **serve_memory(args.model, dtype)})
+            emit({"figure": "serve_memory", **serve_memory(args.model, dtype)})
     if "agreement" in figures:
-        _emit({"figure": "agreement", **dtype_agreement(loaded, args.agreement_requests)})
+        emit({"figure": "agreement", **dtype_agreement(loaded, args.agreement_requests)})
     return 0
 
 

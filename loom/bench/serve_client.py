@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import random
+import socket
 import time
 from pathlib import Path
 
@@ -20,6 +21,26 @@ from rich.table import Table
 
 from loom.bench.stats import RequestRecord, summarize
 from loom.bench.workloads import BenchRequest, article_workload, jsonl_workload, mixed_workload
+
+
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for starting a local server)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_healthy(base_url: str, timeout: float) -> None:
+    """Poll `GET /health` until it answers 200; TimeoutError if it never does within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{base_url} was not healthy within {timeout:g} s")
 
 
 async def _one(client: httpx.AsyncClient, model: str, req: BenchRequest, headers: dict) -> RequestRecord:
