@@ -1,10 +1,11 @@
-"""The compiled paged decode kernel equals the obvious attention, read through block tables, for every shape it serves."""
+"""Loom's CPU attention paths (the compiled decode kernel, the tiled prefill chunks) equal the obvious attention."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from loom.model.attention import tiled_chunk_attention
 from loom.model.kernels import load_paged_attention
 
 
@@ -59,3 +60,35 @@ def test_kernel_rejects_bad_lengths(kernel):
         kernel.decode_attention(q, cache, cache, tables, torch.tensor([3, 5]), torch.empty_like(q), 1.0)
     with pytest.raises(RuntimeError, match="at least one key"):
         kernel.decode_attention(q, cache, cache, tables, torch.tensor([0, 1]), torch.empty_like(q), 1.0)
+
+
+def obvious_chunk(q, keys, values, scale):
+    """Causal attention of the last n of ctx positions, one head at a time, with a full mask."""
+    n, ctx, group = q.shape[0], keys.shape[0], q.shape[1] // keys.shape[1]
+    keys = keys.float().repeat_interleave(group, dim=1)
+    values = values.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,chd->hnc", q.float(), keys) * scale
+    allowed = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+    return torch.einsum("hnc,chd->nhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), values)
+
+
+@pytest.mark.parametrize(
+    "n,ctx,heads,kv_heads,max_scores",
+    [
+        (1, 1, 9, 3, 1 << 20),  # a one-token prompt
+        (37, 37, 9, 3, 1 << 20),  # a whole prompt in one tile
+        (100, 100, 9, 3, 9 * 100 * 16),  # a whole prompt in tiles of 16
+        (45, 300, 9, 3, 9 * 300 * 20),  # a later chunk over cached context, in tiles of 20 (the last one partial)
+        (5, 2000, 4, 4, 1 << 20),  # short chunk, long context, no GQA
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_chunk_attention_matches_obvious(n, ctx, heads, kv_heads, max_scores, dtype):
+    gen = torch.Generator().manual_seed(n + ctx)
+    q = torch.randn(n, heads, 64, generator=gen).to(dtype)
+    keys = torch.randn(ctx, kv_heads, 64, generator=gen).to(dtype)
+    values = torch.randn(ctx, kv_heads, 64, generator=gen).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    tiled_chunk_attention(q, keys, values, 0.125, out, max_scores=max_scores)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), obvious_chunk(q, keys, values, 0.125), atol=tol, rtol=tol)

@@ -2,7 +2,8 @@
 
 Three backends share one signature:
 - `PagedKernelAttention` (fastest on CPU): every decode token of the step in one call of Loom's C++ kernel, which
-  reads each request's K and V once, block by block through its block table; prefill chunks as in SDPA.
+  reads each request's K and V once, block by block through its block table; each prefill chunk in query tiles of
+  float32 matmuls (`tiled_chunk_attention`), which runs 2-4x faster than torch's CPU SDPA on long contexts.
 - `SdpaAttention` (portable): all decode tokens in one batched SDPA over K/V gathered through the block tables
   (a temporary copy per layer); each prefill chunk in one SDPA call.
 - `ReferenceAttention` (obvious): per sequence, gather its context, build the causal mask, softmax by hand.
@@ -43,6 +44,49 @@ def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -
     return cache[block_ids].flatten(0, 1)[:length]
 
 
+def tiled_chunk_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, out: torch.Tensor, max_scores: int = 2 << 20
+) -> None:
+    """Causal attention of a prompt chunk's n queries (the last n of `ctx` positions) over its whole context.
+
+    q [n, H, D]; keys/values [ctx, KVH, D]; out [n, H, D]. Queries are taken in tiles so that one tile's scores
+    (at most `max_scores` floats) stay in cache; a tile sees only the keys up to its last query, and only the
+    diagonal square needs a mask. Each KV head's query group forms one matrix (exact GQA). Math in float32.
+    """
+    n, num_heads, head_dim = q.shape
+    ctx, num_kv_heads = keys.shape[0], keys.shape[1]
+    group = num_heads // num_kv_heads
+    q_by_head = (q.float() * scale).view(n, num_kv_heads, group, head_dim).transpose(0, 1)  # [KVH, n, g, D]
+    keys_t = keys.float().permute(1, 2, 0)  # [KVH, D, ctx]
+    values_h = values.float().transpose(0, 1)  # [KVH, ctx, D]
+    tile = max(16, min(n, max_scores // (num_heads * ctx)))
+    above_diagonal = torch.ones(tile, tile, dtype=torch.bool, device=q.device).triu(1).repeat_interleave(group, 0)
+    for first in range(0, n, tile):
+        rows = min(tile, n - first)
+        visible = ctx - n + first + rows
+        scores = torch.matmul(q_by_head[:, first : first + rows].reshape(num_kv_heads, rows * group, head_dim),
+                              keys_t[:, :, :visible])
+        scores[:, :, visible - rows :].masked_fill_(above_diagonal[: rows * group, :rows], float("-inf"))
+        o = torch.matmul(scores.softmax(-1), values_h[:, :visible])  # [KVH, rows*g, D]
+        out[first : first + rows] = o.view(num_kv_heads, rows, group, head_dim).transpose(0, 1).flatten(1, 2)
+
+
+def _prefill_chunks(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: BatchMetadata):
+    """For each prompt chunk: its rows [start, end) and the K/V of its whole context, [ctx, KVH, D] each.
+
+    A first chunk's context is the chunk itself (the fresh k/v rows); a later one's is read back from the cache.
+    """
+    k_cache, v_cache = kv_cache
+    for i in range(meta.num_decodes, meta.num_seqs):
+        start, end = meta.query_starts[i], meta.query_starts[i + 1]
+        ctx = meta.context_lens_host[i]
+        if ctx == end - start:
+            yield start, end, k[start:end], v[start:end]
+        else:
+            blocks = meta.block_tables[i, : meta.num_blocks_host[i]]
+            yield start, end, _gather_context(k_cache, blocks, ctx), _gather_context(v_cache, blocks, ctx)
+
+
 class PagedAttention:
     """Both backends: store the step's K/V at their slots, then fill out[T, H, D] from the cache."""
 
@@ -81,26 +125,19 @@ class SdpaAttention(PagedAttention):
 
     def attend_prefills(self, q, k, v, kv_cache: KVCache, meta: BatchMetadata, scale: float, out: torch.Tensor):
         """Rows [num_decodes, num_seqs): one SDPA call per prompt chunk."""
-        k_cache, v_cache = kv_cache
-        for i in range(meta.num_decodes, meta.num_seqs):
-            start, end = meta.query_starts[i], meta.query_starts[i + 1]
-            ctx = meta.context_lens_host[i]
-            qi = q[start:end].transpose(0, 1)  # [H, n, D]
-            n = end - start
-            if ctx == n:  # the whole context is this chunk: keys are the fresh ones, plain causal
-                ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+        for start, end, keys, values in _prefill_chunks(k, v, kv_cache, meta):
+            n, ctx = end - start, keys.shape[0]
+            qi, ki, vi = q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)  # [heads, len, D]
+            if ctx == n:  # the whole context is this chunk: plain causal
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
-            else:  # a later chunk: earlier tokens come from the cache, causal with an offset
-                blocks = meta.block_tables[i, : meta.num_blocks_host[i]]
-                ki = _gather_context(k_cache, blocks, ctx).transpose(0, 1)
-                vi = _gather_context(v_cache, blocks, ctx).transpose(0, 1)
+            else:  # a later chunk: causal with an offset
                 mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
             out[start:end] = o.transpose(0, 1)
 
 
 class PagedKernelAttention(SdpaAttention):
-    """Decodes through the compiled kernel (CPU tensors); prefill chunks and other devices as SdpaAttention."""
+    """CPU: decodes through the compiled kernel, prefill chunks through tiled matmuls; other devices as SdpaAttention."""
 
     def __init__(self, kernel: ModuleType) -> None:
         self.kernel = kernel
@@ -112,6 +149,12 @@ class PagedKernelAttention(SdpaAttention):
         self.kernel.decode_attention(
             q[:nd].contiguous(), *kv_cache, meta.block_tables[:nd], meta.context_lens[:nd], out[:nd], scale
         )
+
+    def attend_prefills(self, q, k, v, kv_cache: KVCache, meta: BatchMetadata, scale: float, out: torch.Tensor):
+        if q.device.type != "cpu":
+            return super().attend_prefills(q, k, v, kv_cache, meta, scale, out)
+        for start, end, keys, values in _prefill_chunks(k, v, kv_cache, meta):
+            tiled_chunk_attention(q[start:end], keys, values, scale, out[start:end])
 
 
 class ReferenceAttention(PagedAttention):
