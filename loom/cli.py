@@ -15,6 +15,9 @@ def _engine_args(p: argparse.ArgumentParser, kv_cache_gib: float) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--long-prefill-chunk-tokens", type=int, default=32,
+                   help="while requests decode, prompts longer than a step's budget advance by at most "
+                        "max(this, decoding requests) tokens per step; 0 turns the pacing off")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=float, default=kv_cache_gib,
@@ -33,7 +36,8 @@ def engine_config(args: argparse.Namespace, dtype: str | None = None) -> EngineC
         num_threads=args.threads,
         max_model_len=args.max_model_len,
         attention_backend=args.attention_backend,
-        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
+                                  long_prefill_chunk_tokens=args.long_prefill_chunk_tokens),
         cache=CacheConfig(
             num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=int(args.kv_cache_memory * (1 << 30)),
@@ -191,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--dtypes", default="float32,bfloat16")
     pf.add_argument("--figures", default="peak,decode,prefill,interference,memory,agreement")
     pf.add_argument("--interference-budgets", default="128,256,512", help="max_num_batched_tokens values to try")
+    pf.add_argument("--interference-pacing", default="32,0",
+                    help="long_prefill_chunk_tokens values to try with each budget (0: no pacing)")
     pf.add_argument("--context", type=int, default=512, help="prompt tokens of each request in the decode figure")
     pf.add_argument("--decode-batches", default="1,64", help="running requests in the decode figure")
     pf.add_argument("--prefill-tokens", type=int, default=2048)

@@ -29,12 +29,17 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     policy: str = "continuous"  # or "static" (the padded-wave baseline)
+    # While other requests decode, prompts longer than max_num_batched_tokens advance together by at most
+    # max(long_prefill_chunk_tokens, number of decoding requests) tokens per step; 0 turns this pacing off.
+    long_prefill_chunk_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_chunk_tokens < 0:
+            raise ValueError(f"long_prefill_chunk_tokens must be >= 0, got {self.long_prefill_chunk_tokens}")
         if self.policy not in ("continuous", "static"):
             raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
 

@@ -22,13 +22,14 @@ from loom.engine.request import RequestStatus
     budget=st.integers(8, 80),
     blocks=st.integers(24, 80),
     block_size=st.sampled_from([1, 2, 4, 16]),
+    pacing=st.sampled_from([0, 1, 4, 32]),
 )
 def test_continuous_equals_alone_under_random_mixes(tiny_llama, alone_outputs, seed, max_num_seqs, budget, blocks,
-                                                    block_size):
+                                                    block_size, pacing):
     rng = random.Random(seed)
     workload = random_workload(rng, rng.randint(1, 10), tiny_llama.config.vocab_size)
     blocks = max(blocks, max(-(-(len(p) + n) // block_size) for p, n in workload) + 1)
-    engine = make_engine(tiny_llama, max_num_seqs, budget, blocks, block_size)
+    engine = make_engine(tiny_llama, max_num_seqs, budget, blocks, block_size, long_prefill_chunk_tokens=pacing)
     arrivals = [rng.randint(0, 30) for _ in workload]
     done = drive(engine, workload, arrivals)
     for i, (prompt, n) in enumerate(workload):
@@ -127,6 +128,43 @@ def test_long_prompt_is_chunked_and_decodes_keep_running(tiny_llama, alone_outpu
     assert chunks[0] < 16 and max(chunks) <= 16 and sum(chunks[:-3]) >= 100 - 16
     assert len([c for c in chunks if c > 1]) >= 100 // 16  # the prompt went in over several steps
     assert done[0] == alone_outputs(short, 20) and done[1] == alone_outputs(long_prompt, 4)
+
+
+@pytest.mark.parametrize("pacing", [0, 4])
+def test_long_prompt_is_paced_while_others_decode(tiny_llama, alone_outputs, pacing):
+    """Beside 3 decoding requests a 100-token prompt (longer than the 32-token budget) takes, with pacing on, the
+    longest chunk whose positions p cost at most max(4, 3) in sum(1 + p / K); with it off, what the decodes leave.
+    Alone, it takes the whole budget."""
+    engine = make_engine(tiny_llama, max_num_seqs=4, budget=32, long_prefill_chunk_tokens=pacing)
+    keys_per_token = tiny_llama.config.attention_keys_per_token
+    chunks: list[tuple[int, int, int]] = []  # (decodes beside it, start position, chunk length)
+
+    def observe(out, result, outputs, seconds):
+        decodes = sum(s.is_decode for s in out.scheduled)
+        chunks.extend((decodes, s.start_position, len(s.token_ids))
+                      for s in out.scheduled if s.request.num_prompt_tokens == 100)
+
+    def cost(start: int, n: int) -> float:
+        return sum(1 + p / keys_per_token for p in range(start, start + n))
+
+    engine.step_observers.append(observe)
+    shorts = [([9, 8, 7], 40), ([5, 4], 40), ([3, 2, 1, 4], 40)]
+    long_prompt = list(range(1, 101))
+    done = drive(engine, shorts + [(long_prompt, 3)], [0, 0, 0, 2])
+    prefill = [c for c in chunks if c[1] < 100]  # the prompt's positions, not its decodes
+    assert sum(n for _, _, n in prefill) == 100 and all(d == 3 for d, _, _ in prefill)
+    for _, start, n in prefill[:-1]:
+        if pacing:
+            assert cost(start, n) <= 4 < cost(start, n + 1)
+        else:
+            assert n == 32 - 3
+    assert len(prefill) > 100 // 4 if pacing else len(prefill) == 4
+    for i, (prompt, n) in enumerate(shorts + [(long_prompt, 3)]):
+        assert done[i] == alone_outputs(prompt, n)
+
+    chunks.clear()
+    drive(engine, [(long_prompt[::-1], 2)], [0])
+    assert [n for _, _, n in chunks][:4] == [32, 32, 32, 4]  # nobody decoding: nobody to protect
 
 
 def test_abort_frees_blocks_and_slot(tiny_llama):

@@ -128,6 +128,9 @@ def test_perf_figures_on_a_tiny_model(tiny_llama):
     assert 0 <= decode["metadata_ms"] < decode["step_ms"]
     pre = prefill(engine, 100, peak["peak_gflops"], repeats=1)
     assert pre["prompt_tokens"] == 100 and pre["fraction_of_peak"] > 0
-    inter = prefill_interference(engine, budget=16, decoding=3, context=8, long_prompt=60)
-    assert inter["prefill_steps"] >= 60 // 13 and inter["itl_p99_ratio"] > 0
+    unpaced = prefill_interference(engine, budget=16, long_prefill_chunk_tokens=0, decoding=3, context=8,
+                                   long_prompt=60)
+    assert unpaced["prefill_steps"] == 5 and unpaced["itl_p99_ratio"] > 0  # 13 prompt tokens beside 3 decodes
+    paced = prefill_interference(engine, budget=16, long_prefill_chunk_tokens=4, decoding=3, context=8, long_prompt=60)
+    assert paced["prefill_steps"] >= 15 and paced["itl_p99_ratio"] > 0  # at most max(4, 3 decoding) tokens a step
     assert not engine.has_unfinished_requests() and engine.pool.num_free_blocks == engine.pool.num_usable_blocks

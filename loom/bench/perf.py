@@ -163,25 +163,27 @@ def prefill(engine: LLMEngine, prompt_tokens: int, peak_gflops: float, repeats: 
 
 
 @torch.inference_mode()
-def prefill_interference(engine: LLMEngine, budget: int, decoding: int = 32, context: int = 256,
-                         long_prompt: int = 4000, seed: int = 2) -> dict:
+def prefill_interference(engine: LLMEngine, budget: int, long_prefill_chunk_tokens: int, decoding: int = 32,
+                         context: int = 256, long_prompt: int = 4000, seed: int = 2) -> dict:
     """Inter-token latency of `decoding` running requests before and while a `long_prompt` prompt is prefilled.
 
-    With chunked prefill each step carries every decode plus up to `budget - decoding` prompt tokens, so the
-    budget trades the long prompt's time to first token against everyone else's inter-token latency.
+    With chunked prefill each step carries every decode plus up to `budget - decoding` prompt tokens, or, with
+    pacing on, max(long_prefill_chunk_tokens, decoding) of the long prompt's tokens: the budget and the pacing
+    trade the long prompt's time to first token against everyone else's inter-token latency.
     """
     if budget <= decoding:
         raise ValueError(f"a budget of {budget} tokens leaves nothing for the prompt beside {decoding} decodes")
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
-    engine.set_scheduler(SchedulerConfig(max_num_seqs=decoding + 1, max_num_batched_tokens=budget))
+    engine.set_scheduler(SchedulerConfig(max_num_seqs=decoding + 1, max_num_batched_tokens=budget,
+                                         long_prefill_chunk_tokens=long_prefill_chunk_tokens))
     params = SamplingParams(max_tokens=engine.max_model_len - context, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(_random_prompt(rng, context, vocab), params) for _ in range(decoding)]
     while any(engine.requests[i].num_output_tokens == 0 for i in ids):
         engine.step()
     step_times: list[float] = []
     with engine.observing(lambda out, result, outputs, seconds: step_times.append(seconds)):
-        for _ in range(8):
+        for _ in range(18):  # 16 steps after 2 of warm-up: enough for a p99 that is not one unlucky step
             engine.step()
         before = step_times[2:]
         step_times.clear()
@@ -199,6 +201,7 @@ def prefill_interference(engine: LLMEngine, budget: int, decoding: int = 32, con
 
     return {
         "max_num_batched_tokens": budget,
+        "long_prefill_chunk_tokens": long_prefill_chunk_tokens,
         "decoding_requests": decoding,
         "long_prompt_tokens": long_prompt,
         "itl_p99_before_ms": round(p99(before) * 1e3, 1),
@@ -263,7 +266,8 @@ def main(args: argparse.Namespace) -> int:
             emit({"figure": "prefill", **base, **prefill(engine, args.prefill_tokens, peak["peak_gflops"])})
         if "interference" in figures:
             for budget in (int(b) for b in args.interference_budgets.split(",")):
-                emit({"figure": "prefill_interference", **base, **prefill_interference(engine, budget)})
+                for pacing in (int(c) for c in args.interference_pacing.split(",")):
+                    emit({"figure": "prefill_interference", **base, **prefill_interference(engine, budget, pacing)})
         if "memory" in figures:
             emit({"figure": "serve_memory", **serve_memory(args.model, dtype)})
     if "agreement" in figures:

@@ -115,7 +115,8 @@ class LLMEngine:
         if config.policy == "static":
             return StaticScheduler(config, self.pool, self.config.cache.block_size)
         cache = self.config.cache
-        return ContinuousScheduler(config, self.pool, cache.block_size, cache.enable_prefix_caching)
+        return ContinuousScheduler(config, self.pool, cache.block_size, cache.enable_prefix_caching,
+                                   self.model_config.attention_keys_per_token)
 
     def set_scheduler(self, config: SchedulerConfig) -> None:
         """Swap the scheduling policy (e.g. static vs continuous on the same weights and cache); only when idle."""

@@ -22,6 +22,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         policy: str = "continuous",
+        long_prefill_chunk_tokens: int = 32,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         kv_cache_memory: int = 1 << 30,
@@ -37,7 +38,7 @@ class LLM:
             max_model_len=max_model_len,
             attention_backend=attention_backend,
             num_threads=num_threads,
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy, long_prefill_chunk_tokens),
             cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory, enable_prefix_caching),
         )
         self.engine = LLMEngine(config, loaded)

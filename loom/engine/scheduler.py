@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -197,15 +198,34 @@ class ContinuousScheduler(Scheduler):
     needs up to the token budget; then waiting requests are admitted in queue order (priority, then FCFS) into
     free slots with what budget is left, a long prompt in chunks across steps, its cached prefix skipped. Out of
     blocks: the lowest-priority, newest running request is preempted.
+
+    Latency protection: a prompt longer than one step's budget would otherwise fill step after step with a large
+    chunk that attends to an ever longer context, multiplying every decoding request's inter-token latency. While
+    requests decode, such long prompts share an allowance of max(long_prefill_chunk_tokens, decoding requests)
+    token-equivalents a step, where a prompt token at position p counts 1 + p / keys_per_token (its attention
+    grows with the context; keys_per_token is where that attention costs as many FLOPs as the token's matmuls).
+    So a step carries about as much long-prompt work as decode work, and the long prompt still moves every step.
     """
+
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int, enable_prefix_caching: bool = False,
+                 keys_per_token: float = math.inf) -> None:
+        super().__init__(config, pool, block_size, enable_prefix_caching)
+        self.keys_per_token = keys_per_token
 
     def schedule(self) -> SchedulerOutput:
         out = self._next_output()
         budget = self.config.max_num_batched_tokens
+        long_allowance = self._long_prefill_allowance()
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
+            long = self._is_long_prefill(request)
+            if long:
+                n = self._paced_chunk(request, n, long_allowance)
+                if n == 0:  # the long prompts' share of this step is spent
+                    index += 1
+                    continue
             while not self._try_allocate(request, request.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -213,6 +233,8 @@ class ContinuousScheduler(Scheduler):
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
+            if long:
+                long_allowance -= self._prefill_cost(request.num_computed_tokens, n)
             self._schedule_chunk(request, n, out)
             budget -= n
             index += 1
@@ -220,8 +242,13 @@ class ContinuousScheduler(Scheduler):
         if not out.preempted:
             while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
                 request = self.waiting[0]
+                long = self._is_long_prefill(request)
+                if long and long_allowance <= 0:
+                    break  # queue order holds: nobody overtakes a long prompt that waits for its share
                 num_cached = self._take_cached_prefix(request)
                 n = min(request.num_tokens - request.num_computed_tokens, budget)
+                if long:
+                    n = self._paced_chunk(request, n, long_allowance)
                 if not self._try_allocate(request, request.num_computed_tokens + n):
                     if num_cached:
                         self._return_cached_prefix(request)
@@ -229,10 +256,40 @@ class ContinuousScheduler(Scheduler):
                 if self.enable_prefix_caching:
                     self.prefix_cache_queries += request.num_tokens
                     self.prefix_cache_hits += num_cached * self.block_size
+                if long:
+                    long_allowance -= self._prefill_cost(request.num_computed_tokens, n)
                 self._admit(request, out)
                 self._schedule_chunk(request, n, out)
                 budget -= n
         return out
+
+    def _is_long_prefill(self, request: Request) -> bool:
+        """Still prefilling (more than its next token left) a context that does not fit one step's budget."""
+        return (request.num_tokens - request.num_computed_tokens > 1
+                and request.num_tokens > self.config.max_num_batched_tokens)
+
+    def _long_prefill_allowance(self) -> float:
+        """Token-equivalents long prompts may take this step: no limit unless someone is decoding."""
+        decoding = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        if not decoding or not self.config.long_prefill_chunk_tokens:
+            return math.inf
+        return max(self.config.long_prefill_chunk_tokens, decoding)
+
+    def _prefill_cost(self, start: int, n: int) -> float:
+        """Token-equivalents of prompt positions start..start+n-1: sum of 1 + p / keys_per_token."""
+        return n + (n * start + n * (n - 1) / 2) / self.keys_per_token
+
+    def _paced_chunk(self, request: Request, n: int, allowance: float) -> int:
+        """The longest chunk (at most n) whose cost fits the allowance; at least one token while any is left."""
+        if allowance <= 0:
+            return 0
+        if allowance == math.inf:
+            return n
+        # cost(m) = a*m^2 + b*m with a = 1/(2K), b = 1 + (start - 1/2)/K: the positive root of cost(m) = allowance.
+        a = 0.5 / self.keys_per_token
+        b = 1 + (request.num_computed_tokens - 0.5) / self.keys_per_token
+        fit = allowance / b if a == 0 else (math.sqrt(b * b + 4 * a * allowance) - b) / (2 * a)
+        return min(n, max(1, math.floor(fit + 1e-9)))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Free the request's blocks and queue it first in line; its K/V are recomputed when it returns."""

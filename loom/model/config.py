@@ -47,6 +47,11 @@ class ModelConfig:
         return self.hidden_size * self.vocab_size
 
     @property
+    def attention_keys_per_token(self) -> float:
+        """Keys one query must attend to (QK^T and PV in every layer) to cost its layer matmuls' FLOPs again."""
+        return 2 * self.layer_matmul_params / (self.num_layers * 4 * self.num_heads * self.head_dim)
+
+    @property
     def matmul_params_per_token(self) -> int:
         """Weights a sampled token multiplies through (all layers + LM head): FLOPs per token = 2x this."""
         return self.layer_matmul_params + self.lm_head_params
