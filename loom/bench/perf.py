@@ -33,6 +33,7 @@ from loom.bench.workloads import mixed_workload
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.engine.batch import build_batch_metadata
 from loom.engine.engine import LLMEngine
+from loom.model.lm_head import vocab_logits
 from loom.model.loader import LoadedModel, load_model
 from loom.model.sampler import sample
 from loom.sampling import SamplingParams
@@ -51,7 +52,8 @@ def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) 
 
 @torch.inference_mode()
 def matmuls_alone(model, rows: int, lm_head_rows: int) -> Callable[[], None]:
-    """A closure that runs every matmul of one forward (layers at `rows` rows, LM head at `lm_head_rows`)."""
+    """A closure that runs every matmul of one forward (layers at `rows` rows, LM head at `lm_head_rows`, as the
+    model runs it)."""
     weights = model.layer_matmul_weights()
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
     head_in = torch.randn(lm_head_rows, model.lm_head.shape[1], dtype=model.lm_head.dtype)
@@ -60,7 +62,7 @@ def matmuls_alone(model, rows: int, lm_head_rows: int) -> Callable[[], None]:
         for w in weights:
             F.linear(inputs[w.shape[1]], w)
         if lm_head_rows:
-            F.linear(head_in, model.lm_head)
+            vocab_logits(head_in, model.lm_head)
 
     return run
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from loom.engine.batch import BatchMetadata
 from loom.model.attention import AttentionBackend, KVCache
 from loom.model.config import ModelConfig
+from loom.model.lm_head import vocab_logits
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
@@ -95,5 +96,5 @@ class GPT2Model:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         x = F.layer_norm(hidden, (self.config.hidden_size,), self.ln_f_weight, self.ln_f_bias, self.config.norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return vocab_logits(x, self.lm_head)
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from loom.engine.batch import BatchMetadata
 from loom.model.attention import AttentionBackend, KVCache
 from loom.model.config import ModelConfig
+from loom.model.lm_head import vocab_logits
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -108,5 +109,4 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the selected rows only (one per sampling request, not every prompt token)."""
-        x = rms_norm(hidden, self.final_norm, self.config.norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return vocab_logits(rms_norm(hidden, self.final_norm, self.config.norm_eps), self.lm_head)
