@@ -16,8 +16,8 @@ def _engine_args(p: argparse.ArgumentParser, kv_cache_gib: float) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--long-prefill-chunk-tokens", type=int, default=32,
-                   help="while requests decode, prompts longer than a step's budget advance by at most "
-                        "max(this, decoding requests) tokens per step; 0 turns the pacing off")
+                   help="while requests decode, prompts longer than a step's budget advance by about "
+                        "max(this, decoding requests) tokens per step, fewer deep into a long context; 0: no pacing")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=float, default=kv_cache_gib,

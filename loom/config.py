@@ -29,8 +29,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     policy: str = "continuous"  # or "static" (the padded-wave baseline)
-    # While other requests decode, prompts longer than max_num_batched_tokens advance together by at most
-    # max(long_prefill_chunk_tokens, number of decoding requests) tokens per step; 0 turns this pacing off.
+    # Latency protection: while other requests decode, prompts longer than max_num_batched_tokens share at most
+    # max(long_prefill_chunk_tokens, decoding requests) token-equivalents a step (a prompt token at position p
+    # counts 1 + p / the model's attention_keys_per_token); 0 turns this pacing off.
     long_prefill_chunk_tokens: int = 32
 
     def __post_init__(self) -> None:

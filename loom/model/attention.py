@@ -11,6 +11,7 @@ Three backends share one signature:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
@@ -71,7 +72,9 @@ def tiled_chunk_attention(
         out[first : first + rows] = o.view(num_kv_heads, rows, group, head_dim).transpose(0, 1).flatten(1, 2)
 
 
-def _prefill_chunks(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: BatchMetadata):
+def _prefill_chunks(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: BatchMetadata
+) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """For each prompt chunk: its rows [start, end) and the K/V of its whole context, [ctx, KVH, D] each.
 
     A first chunk's context is the chunk itself (the fresh k/v rows); a later one's is read back from the cache.
