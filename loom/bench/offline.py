@@ -24,7 +24,8 @@ from loom.sampling import SamplingParams
 def run_once(engine: LLMEngine, requests: list[BenchRequest], policy: str, max_num_seqs: int,
              max_num_batched_tokens: int) -> tuple[dict, list[list[int]], StepTracer]:
     """Every request greedy with ignore_eos (so each generates exactly max_tokens), timed end to end."""
-    engine.set_scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy))
+    pacing = engine.config.scheduler.long_prefill_chunk_tokens  # as --long-prefill-chunk-tokens set it
+    engine.set_scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy, pacing))
     engine.pool.reset_prefix_cache()  # every run starts cold, whatever ran before it on this engine
     tracer = StepTracer(engine)
     started = time.perf_counter()
