@@ -28,7 +28,7 @@ inline const float* load_row(const T* row, float* buffer, int64_t size) {
 // Calls visit(t, row) for tokens t = 0..len-1 of one sequence, row = its K or V row (all KV heads) as float32.
 // Walks the block table block by block: no division per token, contiguous rows within a block. The next block
 // lies anywhere in the cache, where the hardware prefetcher cannot guess it, so while row j of this block is used
-// row j of the next one is prefetched (28% faster at 64 x 512 tokens on the development machine).
+// row j of the next one is prefetched (64 x 512 tokens: 5.8 -> 3.5-4.1 ms per layer on the development machine).
 template <typename T, typename Visit>
 inline void for_each_row(const T* cache, const int64_t* table, int64_t len, int64_t block_size, int64_t row_size,
                          float* buffer, Visit&& visit) {
