@@ -170,8 +170,9 @@ def prefill_interference(engine: LLMEngine, budget: int, long_prefill_chunk_toke
     """Inter-token latency of `decoding` running requests before and while a `long_prompt` prompt is prefilled.
 
     With chunked prefill each step carries every decode plus up to `budget - decoding` prompt tokens, or, with
-    pacing on, max(long_prefill_chunk_tokens, decoding) of the long prompt's tokens: the budget and the pacing
-    trade the long prompt's time to first token against everyone else's inter-token latency.
+    pacing on, max(long_prefill_chunk_tokens, decoding) token-equivalents of the long prompt (fewer tokens deep
+    into its context): the budget and the pacing trade the long prompt's time to first token against everyone
+    else's inter-token latency.
     """
     if budget <= decoding:
         raise ValueError(f"a budget of {budget} tokens leaves nothing for the prompt beside {decoding} decodes")
