@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loom.model.attention import ATTENTION_BACKENDS
+from loom.model.linear import MATMUL_BACKENDS
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -71,6 +72,7 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     max_model_len: int | None = None  # None: the model's own context length
     attention_backend: str = "auto"  # "auto" | "paged" (C++ kernel) | "sdpa" | "reference" (obvious, for tests)
+    matmul_backend: str = "auto"  # "auto" | "packed" (C++ kernel) | "torch"
     num_threads: int | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -79,6 +81,8 @@ class EngineConfig:
         self.dtype = parse_dtype(self.dtype)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.matmul_backend not in MATMUL_BACKENDS:
+            raise ValueError(f"matmul_backend must be one of {MATMUL_BACKENDS}, got {self.matmul_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:

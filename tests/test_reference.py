@@ -19,8 +19,9 @@ TINY_PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["paged", "sdpa", "reference"])
-def test_tiny_models_match_transformers(tiny_model_dir, backend):
+@pytest.mark.parametrize(("backend", "matmul"), [("paged", "packed"), ("paged", "torch"), ("sdpa", "packed"),
+                                                  ("reference", "torch")])
+def test_tiny_models_match_transformers(tiny_model_dir, backend, matmul):
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -30,7 +31,7 @@ def test_tiny_models_match_transformers(tiny_model_dir, backend):
     assert sum(len(e) for e in expected) > 100, "the reference must generate real sequences"
 
     llm = LLM(loaded=loaded, max_num_seqs=3, max_num_batched_tokens=32, num_kv_blocks=64, block_size=8,
-              attention_backend=backend)
+              attention_backend=backend, matmul_backend=matmul)
     params = [SamplingParams(max_tokens=n, temperature=0.0) for n in max_tokens]
     got = [o.token_ids for o in llm.generate(TINY_PROMPTS, params)]
     assert got == expected

@@ -1,6 +1,7 @@
 """`loom bench perf`: the performance figures Loom is held to, each printed as one JSON line, measured in one process.
 
-- matmul_peak: F.linear throughput on the model's own weight shapes (the roofline every other figure is held to).
+- matmul_peak: matmul throughput on the model's own weight shapes, with torch's matmul and with the engine's matmul
+  backend; the better of them is the roofline every other figure is held to.
 - decode: one decode step at B running requests of C tokens of context, against the same step's matmuls alone,
   and how much of the step is spent outside the model forward (scheduling, metadata, sampling, bookkeeping).
 - prefill: one long prompt alone, as achieved model FLOP/s and as a fraction of the measured peak.
@@ -25,7 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import torch
-import torch.nn.functional as F
 
 from loom.bench.offline import emit, run_once
 from loom.bench.serve_client import free_loopback_port, wait_until_healthy
@@ -33,7 +33,7 @@ from loom.bench.workloads import mixed_workload
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.engine.batch import build_batch_metadata
 from loom.engine.engine import LLMEngine
-from loom.model.lm_head import vocab_logits
+from loom.model.linear import PackedLinear, make_matmul
 from loom.model.loader import LoadedModel, load_model
 from loom.model.sampler import sample
 from loom.sampling import SamplingParams
@@ -54,36 +54,41 @@ def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) 
 def matmuls_alone(model, rows: int, lm_head_rows: int) -> Callable[[], None]:
     """A closure that runs every matmul of one forward (layers at `rows` rows, LM head at `lm_head_rows`, as the
     model runs it)."""
-    weights = model.layer_matmul_weights()
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
-    head_in = torch.randn(lm_head_rows, model.lm_head.shape[1], dtype=model.lm_head.dtype)
+    linears = model.layer_linears()
+    inputs = {lin.in_features: torch.randn(rows, lin.in_features, dtype=model.dtype) for lin in linears}
+    head_in = torch.randn(lm_head_rows, model.lm_head.in_features, dtype=model.dtype)
 
     def run() -> None:
-        for w in weights:
-            F.linear(inputs[w.shape[1]], w)
+        for lin in linears:
+            lin(inputs[lin.in_features])
         if lm_head_rows:
-            vocab_logits(head_in, model.lm_head)
+            model.lm_head(head_in)
 
     return run
 
 
 @torch.inference_mode()
 def matmul_peak(model, rows_options: tuple[int, ...] = (64, 256, 512, 2048)) -> dict:
-    """Best F.linear FLOP/s over the model's distinct weight shapes and several row counts."""
-    shapes = {tuple(w.shape): w for w in model.layer_matmul_weights()}
-    shapes[tuple(model.lm_head.shape)] = model.lm_head
+    """Best matmul FLOP/s (as the model's matmul backend runs them) over the model's distinct weight shapes and
+    several row counts."""
+    shapes = {(lin.out_features, lin.in_features): lin for lin in model.layer_linears()}
+    shapes[(model.lm_head.out_features, model.lm_head.in_features)] = model.lm_head
     best, per_rows = 0.0, {}
     for rows in rows_options:
         flops_total, seconds_total = 0.0, 0.0
-        for shape, w in shapes.items():
-            x = torch.randn(rows, shape[1], dtype=w.dtype)
-            sec = median_seconds(lambda: F.linear(x, w), repeats=3)
+        for shape, lin in shapes.items():
+            x = torch.randn(rows, shape[1], dtype=model.dtype)
+            sec = median_seconds(lambda lin=lin, x=x: lin(x), repeats=3)
             flops = 2.0 * rows * shape[0] * shape[1]
             best = max(best, flops / sec)
             flops_total += flops
             seconds_total += sec
         per_rows[rows] = round(flops_total / seconds_total / 1e9, 1)
     return {"peak_gflops": round(best / 1e9, 1), "gflops_by_rows_all_shapes": per_rows}
+
+
+def matmul_backend_name(model) -> str:
+    return "packed" if isinstance(model.lm_head, PackedLinear) else "torch"
 
 
 def _random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -253,13 +258,18 @@ def main(args: argparse.Namespace) -> int:
     for dtype in args.dtypes.split(","):
         config = EngineConfig(
             dtype=dtype, num_threads=args.threads, attention_backend=args.attention_backend,
+            matmul_backend=args.matmul_backend,
             scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max(2048, args.prefill_tokens)),
             cache=CacheConfig(kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), enable_prefix_caching=False),
         )
         engine = LLMEngine(config, loaded)
-        base = {"dtype": dtype, "threads": torch.get_num_threads(), "attention_backend": type(
-            engine.runner.attention).__name__}
-        peak = matmul_peak(engine.runner.model)
+        backend = matmul_backend_name(engine.runner.model)
+        base = {"dtype": dtype, "threads": torch.get_num_threads(),
+                "attention_backend": type(engine.runner.attention).__name__, "matmul_backend": backend}
+        peaks = {backend: matmul_peak(engine.runner.model)}
+        if backend != "torch":
+            peaks["torch"] = matmul_peak(loaded.build(engine.config.dtype, make_matmul("torch")))
+        peak = {"peak_gflops": max(p["peak_gflops"] for p in peaks.values()), "by_backend": peaks}
         if "peak" in figures:
             emit({"figure": "matmul_peak", **base, **peak})
         if "decode" in figures:

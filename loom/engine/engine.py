@@ -17,6 +17,7 @@ from loom.engine.request import Request, TokenLogprob
 from loom.engine.runner import ModelRunner, StepResult
 from loom.engine.scheduler import ContinuousScheduler, Scheduler, SchedulerOutput, StaticScheduler
 from loom.model.attention import make_attention
+from loom.model.linear import make_matmul
 from loom.model.loader import LoadedModel, load_model
 from loom.sampling import SamplingParams
 from loom.tokenizer import IncrementalDetokenizer
@@ -95,7 +96,8 @@ class LLMEngine:
         num_blocks = cache.num_kv_blocks or kv_spec.num_blocks_for_memory(cache.kv_cache_memory)
         self.pool = BlockPool(num_blocks)
         self.runner = ModelRunner(
-            self.loaded.build(self.config.dtype), kv_spec, num_blocks, make_attention(self.config.attention_backend)
+            self.loaded.build(self.config.dtype, make_matmul(self.config.matmul_backend)), kv_spec, num_blocks,
+            make_attention(self.config.attention_backend),
         )
         self.scheduler = self._make_scheduler(self.config.scheduler)
         self.requests: dict[str, Request] = {}

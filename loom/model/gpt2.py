@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from loom.engine.batch import BatchMetadata
 from loom.model.attention import AttentionBackend, KVCache
 from loom.model.config import ModelConfig
-from loom.model.lm_head import vocab_logits
+from loom.model.linear import Linear, MatmulBackend
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
@@ -26,20 +26,17 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
 class GPT2Layer:
     ln1_weight: torch.Tensor
     ln1_bias: torch.Tensor
-    qkv_weight: torch.Tensor  # [3 * hidden, hidden]
-    qkv_bias: torch.Tensor
-    o_weight: torch.Tensor
-    o_bias: torch.Tensor
+    qkv: Linear  # hidden -> 3 * hidden
+    o: Linear
     ln2_weight: torch.Tensor
     ln2_bias: torch.Tensor
-    fc_weight: torch.Tensor
-    fc_bias: torch.Tensor
-    proj_weight: torch.Tensor
-    proj_bias: torch.Tensor
+    fc: Linear
+    proj: Linear
 
 
 class GPT2Model:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 matmul: MatmulBackend) -> None:
         self.config = config
         self.dtype = dtype
 
@@ -48,23 +45,19 @@ class GPT2Model:
             return (t.t().contiguous() if conv1d else t).to(dtype)
 
         self.wte = w("wte.weight")
-        self.lm_head = self.wte  # GPT-2 always ties its output head to the token embedding
+        self.lm_head = matmul.output_head(self.wte)  # GPT-2 always ties its output head to the token embedding
         self.wpe = w("wpe.weight")
         self.ln_f_weight, self.ln_f_bias = w("ln_f.weight"), w("ln_f.bias")
         self.layers = [
             GPT2Layer(
                 ln1_weight=w(f"h.{i}.ln_1.weight"),
                 ln1_bias=w(f"h.{i}.ln_1.bias"),
-                qkv_weight=w(f"h.{i}.attn.c_attn.weight", conv1d=True),
-                qkv_bias=w(f"h.{i}.attn.c_attn.bias"),
-                o_weight=w(f"h.{i}.attn.c_proj.weight", conv1d=True),
-                o_bias=w(f"h.{i}.attn.c_proj.bias"),
+                qkv=matmul.linear(w(f"h.{i}.attn.c_attn.weight", conv1d=True), w(f"h.{i}.attn.c_attn.bias")),
+                o=matmul.linear(w(f"h.{i}.attn.c_proj.weight", conv1d=True), w(f"h.{i}.attn.c_proj.bias")),
                 ln2_weight=w(f"h.{i}.ln_2.weight"),
                 ln2_bias=w(f"h.{i}.ln_2.bias"),
-                fc_weight=w(f"h.{i}.mlp.c_fc.weight", conv1d=True),
-                fc_bias=w(f"h.{i}.mlp.c_fc.bias"),
-                proj_weight=w(f"h.{i}.mlp.c_proj.weight", conv1d=True),
-                proj_bias=w(f"h.{i}.mlp.c_proj.bias"),
+                fc=matmul.linear(w(f"h.{i}.mlp.c_fc.weight", conv1d=True), w(f"h.{i}.mlp.c_fc.bias")),
+                proj=matmul.linear(w(f"h.{i}.mlp.c_proj.weight", conv1d=True), w(f"h.{i}.mlp.c_proj.bias")),
             )
             for i in range(config.num_layers)
         ]
@@ -75,7 +68,7 @@ class GPT2Model:
         hidden = self.wte[meta.input_ids] + self.wpe[meta.positions]
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = F.layer_norm(hidden, (hidden_size,), layer.ln1_weight, layer.ln1_bias, cfg.norm_eps)
-            q, k, v = F.linear(x, layer.qkv_weight, layer.qkv_bias).split(hidden_size, dim=-1)
+            q, k, v = layer.qkv(x).split(hidden_size, dim=-1)
             attn = attention(
                 q.reshape(num_tokens, heads, d),
                 k.reshape(num_tokens, heads, d),
@@ -84,17 +77,16 @@ class GPT2Model:
                 meta,
                 d**-0.5,
             )
-            hidden = hidden + F.linear(attn, layer.o_weight, layer.o_bias)
+            hidden = hidden + layer.o(attn)
             x = F.layer_norm(hidden, (hidden_size,), layer.ln2_weight, layer.ln2_bias, cfg.norm_eps)
-            hidden = hidden + F.linear(gelu_new(F.linear(x, layer.fc_weight, layer.fc_bias)), layer.proj_weight, layer.proj_bias)
+            hidden = hidden + layer.proj(gelu_new(layer.fc(x)))
         return hidden
 
-    def layer_matmul_weights(self) -> list[torch.Tensor]:
-        """Every weight the layers multiply by, in forward order (for matmul-only timing in benchmarks)."""
-        return [w for layer in self.layers for w in (layer.qkv_weight, layer.o_weight, layer.fc_weight,
-                                                      layer.proj_weight)]
+    def layer_linears(self) -> list[Linear]:
+        """Every matmul of the layers, in forward order (for matmul-only timing in benchmarks)."""
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.fc, layer.proj)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         x = F.layer_norm(hidden, (self.config.hidden_size,), self.ln_f_weight, self.ln_f_bias, self.config.norm_eps)
-        return vocab_logits(x, self.lm_head)
+        return self.lm_head(x).float()
 

@@ -1,7 +1,8 @@
 """Loom's C++ CPU kernels, compiled on first use with torch.utils.cpp_extension and cached per machine.
 
 `make install` builds them (`loom.model.kernels.build()`), so a server's first start does not pay the ~1 minute
-compile. If no compiler is available, `load_paged_attention()` returns None and callers fall back to torch ops.
+compile. Each kernel is its own module: if one cannot be built here (no compiler, or a CPU without AVX2 for the
+packed linear), its loader returns None and callers fall back to torch ops.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from loom.cache_dir import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_SOURCES = Path(__file__).parent / "csrc"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
@@ -33,28 +34,40 @@ def _build_dir() -> Path:
     return default_cache_dir() / "kernels" / key
 
 
-def load_paged_attention(verbose: bool = False) -> ModuleType | None:
-    """The compiled `decode_attention` module, or None (with a warning) if it cannot be built here."""
+def _load(name: str, source: str, verbose: bool) -> ModuleType | None:
+    """Compile csrc/`source` as module `name` (or find it built), or None with a warning if it cannot be built."""
     from torch.utils import cpp_extension
 
-    build_dir = _build_dir()
+    build_dir = _build_dir() / name
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(
-            name="loom_paged_attention",
-            sources=[str(_SOURCE)],
+            name=name,
+            sources=[str(_SOURCES / source)],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=verbose,
         )
     except (RuntimeError, OSError, ImportError) as exc:  # no compiler, no ninja, a failed build
-        log.warning("paged attention kernel unavailable (%s); using the torch SDPA path", exc)
+        log.warning("C++ kernel %s unavailable (%s); using torch ops instead", name, exc)
         return None
+
+
+def load_paged_attention(verbose: bool = False) -> ModuleType | None:
+    """The compiled `decode_attention` module, or None if it cannot be built here."""
+    return _load("loom_paged_attention", "paged_attention.cpp", verbose)
+
+
+def load_packed_linear(verbose: bool = False) -> ModuleType | None:
+    """The compiled `packed_linear` module, or None if it cannot be built here."""
+    return _load("loom_packed_linear", "packed_linear.cpp", verbose)
 
 
 def build() -> None:
     """Compile (or find cached) every kernel now and say whether it is usable; `make install` calls this."""
     logging.basicConfig(level=logging.INFO)
-    module = load_paged_attention()
-    print("loom paged attention kernel:", "ready" if module else "unavailable (torch SDPA will be used)")
+    attention = load_paged_attention()
+    print("loom paged attention kernel:", "ready" if attention else "unavailable (torch SDPA will be used)")
+    linear = load_packed_linear()
+    print("loom packed linear kernel:", "ready" if linear else "unavailable (torch matmuls will be used)")

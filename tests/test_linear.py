@@ -1,0 +1,89 @@
+"""The packed CPU matmul kernel against a float64 reference and torch's F.linear, and its batch invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loom.model.linear import MatmulBackend, PackedLinear, TorchLinear, make_matmul, pack_panels
+
+
+@pytest.fixture(scope="module")
+def packed() -> MatmulBackend:
+    backend = make_matmul("auto")
+    if backend.kernel is None:
+        pytest.skip("the packed linear kernel does not build on this machine (needs a compiler and AVX2)")
+    return backend
+
+
+# (rows, in_features, out_features): full 6-row tiles and partial ones, a partial last panel, more rows than one
+# 96-row block, odd feature counts, no rows at all.
+SHAPES = [(1, 64, 48), (6, 576, 960), (7, 17, 23), (13, 100, 50257 % 1000), (97, 64, 33), (200, 31, 16), (0, 8, 16)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "in_features", "out_features"), SHAPES)
+def test_packed_linear_matches_reference(packed, dtype, rows, in_features, out_features):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    linear = packed.linear(weight, bias)
+    assert isinstance(linear, PackedLinear)
+
+    got = linear(x)
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    ours = (got.double() - exact).abs().max().item() if rows else 0.0
+    torchs = (F.linear(x, weight, bias).double() - exact).abs().max().item() if rows else 0.0
+    # float32: summation order only (~1e-6 relative); bfloat16: one rounding of the output, as torch does.
+    tolerance = 1e-4 * in_features**0.5 if dtype == torch.float32 else 2 * torchs + 1e-2
+    assert ours <= tolerance, (ours, torchs)
+
+
+def test_packed_linear_keeps_leading_dimensions(packed):
+    weight = torch.randn(40, 24)
+    x = torch.randn(3, 5, 24)
+    assert torch.allclose(packed.linear(weight)(x), F.linear(x, weight), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_rows_do_not_depend_on_the_batch(packed, dtype):
+    """A row's result is bit-identical alone, in any position of a batch, and in a batch of any size."""
+    gen = torch.Generator().manual_seed(0)
+    linear = packed.linear(torch.randn(70, 300, generator=gen).to(dtype))
+    batch = torch.randn(131, 300, generator=gen).to(dtype)
+    together = linear(batch)
+    for i in (0, 5, 6, 95, 96, 130):
+        assert torch.equal(linear(batch[i : i + 1]), together[i : i + 1])
+    assert torch.equal(linear(batch[3:10]), together[3:10])
+    assert torch.equal(linear(batch.flip(0)), together.flip(0))
+
+
+def test_bfloat16_panels_are_stored_in_the_kernels_column_order():
+    weight = torch.arange(32 * 2, dtype=torch.float32).view(32, 2)
+    f32 = pack_panels(weight)
+    assert f32.shape == (2, 2, 16) and torch.equal(f32[1, 0], weight[16:, 0])
+    bf16 = pack_panels(weight.bfloat16())
+    assert bf16[0, 0].float().tolist() == [0, 2, 4, 6, 16, 18, 20, 22, 8, 10, 12, 14, 24, 26, 28, 30]
+
+
+def test_packed_linear_rejects_a_wrong_input_width(packed):
+    with pytest.raises(RuntimeError, match="features"):
+        packed.kernel.packed_linear(torch.randn(2, 5), pack_panels(torch.randn(16, 4)), 16)
+
+
+def test_torch_backend_and_sliced_output_head():
+    backend = make_matmul("torch")
+    weight = torch.randn(5000, 32)
+    x = torch.randn(4, 32)
+    assert isinstance(backend.linear(weight), TorchLinear)
+    head = backend.output_head(weight)
+    assert head.cpu_slice_rows is not None and head.out_features > head.cpu_slice_rows
+    assert torch.allclose(head(x), F.linear(x, weight), atol=1e-5)
+
+
+def test_unknown_matmul_backend_is_a_clear_error():
+    with pytest.raises(ValueError, match="matmul backend"):
+        make_matmul("blas")
