@@ -17,9 +17,10 @@ def packed() -> MatmulBackend:
     return backend
 
 
-# (rows, in_features, out_features): full 6-row tiles and partial ones, a partial last panel, more rows than one
-# 96-row block, odd feature counts, no rows at all.
-SHAPES = [(1, 64, 48), (6, 576, 960), (7, 17, 23), (13, 100, 50257 % 1000), (97, 64, 33), (200, 31, 16), (0, 8, 16)]
+# (rows, in_features, out_features): full 6-row tiles and partial ones (1-3 rows span several panels), a partial
+# last panel, more rows than one 96-row block, odd feature counts, no rows at all.
+SHAPES = [(1, 64, 48), (1, 20, 41), (2, 40, 70), (3, 33, 49), (6, 576, 960), (7, 17, 23), (13, 100, 257), (97, 64, 33),
+          (200, 31, 16), (0, 8, 16)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
