@@ -105,7 +105,7 @@ def test_cli_generate_prints_the_completion(tiny_llama_dir, capsys):
 def test_an_engine_that_loads_its_own_model_keeps_one_copy_of_the_weights(tiny_llama_dir, tiny_llama):
     own = LLM(model=str(tiny_llama_dir), num_kv_blocks=64, block_size=8)
     shared = LLM(loaded=tiny_llama, num_kv_blocks=64, block_size=8)
-    assert own.engine.loaded.weights == {}  # released after the model was built from them
+    assert own.engine.loaded.weights == {}  # consumed while the model was built from them
     assert tiny_llama.weights, "weights passed in by the caller stay usable for other engines"
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     assert own.generate([[5, 6, 7]], params)[0].token_ids == shared.generate([[5, 6, 7]], params)[0].token_ids

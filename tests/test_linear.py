@@ -18,9 +18,9 @@ def packed() -> MatmulBackend:
 
 
 # (rows, in_features, out_features): full 6-row tiles and partial ones (1-3 rows span several panels), a partial
-# last panel, more rows than one 96-row block, odd feature counts, no rows at all.
+# last panel, several blocks of rows (256 KB of x each: 42 rows at 1536 features), odd feature counts, no rows.
 SHAPES = [(1, 64, 48), (1, 20, 41), (2, 40, 70), (3, 33, 49), (6, 576, 960), (7, 17, 23), (13, 100, 257), (97, 64, 33),
-          (200, 31, 16), (0, 8, 16)]
+          (200, 1536, 40), (200, 31, 16), (0, 8, 16)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -53,10 +53,10 @@ def test_packed_linear_keeps_leading_dimensions(packed):
 def test_packed_linear_rows_do_not_depend_on_the_batch(packed, dtype):
     """A row's result is bit-identical alone, in any position of a batch, and in a batch of any size."""
     gen = torch.Generator().manual_seed(0)
-    linear = packed.linear(torch.randn(70, 300, generator=gen).to(dtype))
-    batch = torch.randn(131, 300, generator=gen).to(dtype)
+    linear = packed.linear(torch.randn(70, 1536, generator=gen).to(dtype))
+    batch = torch.randn(131, 1536, generator=gen).to(dtype)  # blocks of 42 rows
     together = linear(batch)
-    for i in (0, 5, 6, 95, 96, 130):
+    for i in (0, 5, 6, 41, 42, 130):
         assert torch.equal(linear(batch[i : i + 1]), together[i : i + 1])
     assert torch.equal(linear(batch[3:10]), together[3:10])
     assert torch.equal(linear(batch.flip(0)), together.flip(0))

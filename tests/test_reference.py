@@ -49,3 +49,19 @@ def test_smollm2_article_prompts_match_transformers(smollm2, hf_smollm2):
         expected = hf_greedy(hf_model, out.prompt_token_ids, cap, eos_token_id=hf_tok.eos_token_id)
         assert out.token_ids == expected
         assert out.text == hf_tok.decode(expected, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 64, 513])
+def test_rms_norm_gives_transformers_bits(dtype, rows):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from loom.model.llama import rms_norm
+
+    gen = torch.Generator().manual_seed(rows)
+    hf = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(576, generator=gen))
+    x = (3 * torch.randn(rows, 576, generator=gen)).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(rms_norm(x, hf.weight.detach(), 1e-5), hf(x))

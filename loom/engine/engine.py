@@ -95,11 +95,9 @@ class LLMEngine:
         kv_spec = KVCacheSpec(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, cache.block_size, self.config.dtype)
         num_blocks = cache.num_kv_blocks or kv_spec.num_blocks_for_memory(cache.kv_cache_memory)
         self.pool = BlockPool(num_blocks)
-        model = self.loaded.build(self.config.dtype, make_matmul(self.config.matmul_backend))
-        if loaded is None:
-            # The engine read these weights itself and nobody else builds from them; the model holds what it uses
-            # (packed copies, with the packed matmul backend), so keeping the originals would double the memory.
-            self.loaded.weights.clear()
+        # An engine that read the weights itself is their only user: the model may consume them as it builds, so
+        # the originals and their packed copies are never all in memory at once.
+        model = self.loaded.build(self.config.dtype, make_matmul(self.config.matmul_backend), consume=loaded is None)
         self.runner = ModelRunner(model, kv_spec, num_blocks, make_attention(self.config.attention_backend))
         self.scheduler = self._make_scheduler(self.config.scheduler)
         self.requests: dict[str, Request] = {}

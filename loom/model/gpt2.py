@@ -41,7 +41,7 @@ class GPT2Model:
         self.dtype = dtype
 
         def w(name: str, conv1d: bool = False) -> torch.Tensor:
-            t = weights["transformer." + name]
+            t = weights.pop("transformer." + name)
             return (t.t().contiguous() if conv1d else t).to(dtype)
 
         self.wte = w("wte.weight")

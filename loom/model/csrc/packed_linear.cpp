@@ -22,7 +22,7 @@ namespace {
 
 constexpr int64_t kPanel = 16;      // output columns per panel: two 8-float registers
 constexpr int64_t kTileRows = 6;    // 6 x 16 accumulators take 12 of the 16 AVX registers
-constexpr int64_t kBlockRows = 96;  // rows of x per block: 96 x in_features floats stay in L2 while all panels pass
+constexpr int64_t kBlockBytes = 256 * 1024;  // x rows per block: as many as fit 256 KB, in L2 while all panels pass
 
 // One panel row (the 16 weights of step k) as two float32 registers, columns 0-7 and 8-15.
 inline void load_panel_row(const float* w, __m256& w0, __m256& w1) {
@@ -96,8 +96,10 @@ void packed_linear_impl(const float* x, const W* panels, float* y, int64_t rows,
   const int64_t num_panels = (out_features + kPanel - 1) / kPanel;
   const int64_t num_full_panels = out_features / kPanel;
   const int64_t panel_size = in_features * kPanel;
-  for (int64_t m0 = 0; m0 < rows; m0 += kBlockRows) {
-    const int64_t block_rows = std::min(kBlockRows, rows - m0);
+  const int64_t rows_per_block =
+      std::max<int64_t>(kTileRows, kBlockBytes / (in_features * int64_t{sizeof(float)}) / kTileRows * kTileRows);
+  for (int64_t m0 = 0; m0 < rows; m0 += rows_per_block) {
+    const int64_t block_rows = std::min(rows_per_block, rows - m0);
     // Threads split the panels: each weight is read by one thread, once per block of rows.
     at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
       alignas(32) float edge[kTileRows * kPanel];  // the last panel's tile when out_features % 16 != 0
