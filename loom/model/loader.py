@@ -141,6 +141,13 @@ def _hf_config(cfg: dict, weight_names: set[str], eos: list[int]) -> ModelConfig
     raise ValueError(f"model_type {model_type!r} is not supported (llama, mistral, qwen2, gpt2)")
 
 
+def _float32_in_memory(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Float32 copies out of safetensors' memory map. A mapped file stays resident as long as any one tensor from it
+    lives (the embedding, say), so without the copies an engine whose model packs its own copies of the weights kept
+    both: 2369 instead of 1989 MiB resident for SmolLM2 with a 1 GiB KV cache, measured on the development machine."""
+    return {name: t.to(torch.float32, copy=True) for name, t in tensors.items()}
+
+
 def _load_hf_dir(path: Path) -> LoadedModel:
     cfg = json.loads((path / "config.json").read_text())
     files = sorted(path.glob("*.safetensors"))
@@ -148,8 +155,7 @@ def _load_hf_dir(path: Path) -> LoadedModel:
         raise FileNotFoundError(f"no *.safetensors in {path}")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
-        weights.update(load_file(str(f)))
-    weights = {k: v.float() for k, v in weights.items()}
+        weights.update(_float32_in_memory(load_file(str(f))))
     gen_path = path / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
     eos = _eos_ids(gen.get("eos_token_id"), cfg.get("eos_token_id"))
@@ -206,7 +212,8 @@ def _load_gguf_cached(path: Path, cache_dir: Path) -> LoadedModel:
     entry = cache_dir / f"{path.stem}-{_cache_key(path)}"
     if (entry / "done").exists():
         config = ModelConfig(**json.loads((entry / "config.json").read_text()))
-        return LoadedModel(path.stem, config, load_file(str(entry / "model.safetensors")), Tokenizer.load(entry))
+        weights = _float32_in_memory(load_file(str(entry / "model.safetensors")))
+        return LoadedModel(path.stem, config, weights, Tokenizer.load(entry))
     loaded = _read_gguf(path)
     try:
         entry.mkdir(parents=True, exist_ok=True)
