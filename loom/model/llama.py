@@ -1,7 +1,8 @@
 """Llama-family forward over a packed row: RMSNorm, RoPE, GQA, SwiGLU; tied or untied head; optional qkv bias (Qwen2).
 
 Weights arrive under Hugging Face names; q/k/v and gate/up are fused at construction so each layer runs
-four matmuls, each a `Linear` from the matmul backend. The numerics follow transformers' Llama (fp32 RMSNorm, rotate_half RoPE) so greedy outputs match.
+four matmuls, each a `Linear` from the matmul backend. The numerics follow transformers' Llama (fp32 RMSNorm,
+rotate_half RoPE) so greedy outputs match.
 """
 
 from __future__ import annotations

@@ -40,10 +40,10 @@ class LoadedModel:
     def build(self, dtype: torch.dtype, matmul: MatmulBackend, consume: bool = False):
         """The forward implementation for this architecture, with weights cast to `dtype` and handed to `matmul`.
 
-        The model takes each weight out of the dict it is given. With `consume`, that is this model's own dict, so
-        each original is freed as soon as the model has its own copy (a packed one, say) and the peak memory stays
-        near one copy of the weights; the dict is empty afterwards. Otherwise it is a shallow copy and this
-        LoadedModel can build more models.
+        The model takes each weight out of the dict it is given. With `consume`, that is this LoadedModel's own
+        dict, so each original is freed as soon as the model has its own copy (a packed one, say) and the peak
+        memory stays near one copy of the weights; the dict is empty afterwards. Otherwise it is a shallow copy and
+        this LoadedModel can build more models.
         """
         from loom.model.gpt2 import GPT2Model
         from loom.model.llama import LlamaModel

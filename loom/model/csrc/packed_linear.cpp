@@ -1,12 +1,12 @@
 // Linear layers y = x W^T on CPU, with W packed once (at model load) into panels of 16 output columns, each panel
 // stored k-major: [in_features][16]. A 6 x 16 tile of y lives in 12 AVX registers while the kernel walks k, reading
-// one panel row (16 weights) and broadcasting one x value per row for each step. torch's sgemm packs W on every call
-// and, at the 1-64 rows of a decode step, spent more time on that than on the FMAs; packed once, a step's matmuls ran
-// 1.6-2.3x faster on the development machine (AVX2). bfloat16 weights are widened to float32 in registers, so they
-// cost half the memory traffic and run at nearly the float32 rate even without AVX-512 BF16 or AMX.
+// one panel row (16 weights) and broadcasting one x value per row for each step. torch's sgemm packs W on every call,
+// which at the 1-64 rows of a decode step costs about as much as the FMAs; packed once, the model's matmuls ran
+// 1.3-2.9x faster at 1-256 rows on the development machine (AVX2), about even at 2048. bfloat16 weights are widened to
+// float32 in registers, so they cost half the memory traffic and run at the float32 rate without AVX-512 BF16 or AMX.
 //
 // Every y element is the FMA chain x[i,0] w[0] + x[i,1] w[1] + ... from zero, in order of k, whatever the number of
-// rows and wherever its row sits in the batch: a request's results do not depend on what it is batched with.
+// rows and wherever its row sits in the batch: a row's result does not depend on the rows it is batched with.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
