@@ -103,36 +103,25 @@ void packed_linear_impl(const float* x, const W* panels, float* y, int64_t rows,
     // Threads split the panels: each weight is read by one thread, once per block of rows.
     at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
       alignas(32) float edge[kTileRows * kPanel];  // the last panel's tile when out_features % 16 != 0
-      if (block_rows < kTileRows) {  // one tile of rows: it may cover several panels at once
-        const float* xb = x + m0 * in_features;
-        float* yb = y + m0 * out_features;
-        int64_t p = p0;
-        const int64_t full_end = std::min(p1, num_full_panels);
-        while (p < full_end)
-          p += tile_rows(block_rows, full_end - p, xb, in_features, panels + p * panel_size, yb + p * kPanel,
-                         out_features);
-        if (p < p1) {  // the partial last panel
-          tile_rows(block_rows, 0, xb, in_features, panels + p * panel_size, edge, kPanel);
-          for (int64_t r = 0; r < block_rows; ++r)
-            std::memcpy(yb + r * out_features + p * kPanel, edge + r * kPanel,
-                        (out_features - p * kPanel) * sizeof(float));
-        }
-        return;
-      }
-      for (int64_t p = p0; p < p1; ++p) {
+      const int64_t full_end = std::min(p1, num_full_panels);
+      for (int64_t p = p0; p < p1;) {
         const W* panel = panels + p * panel_size;
         const int64_t cols = std::min(kPanel, out_features - p * kPanel);
+        // A block of one tile of rows may cover several full panels at once (see tile_rows).
+        const int64_t full_panels = block_rows <= kTileRows ? full_end - p : 1;
+        int64_t panels_done = 1;
         for (int64_t i = 0; i < block_rows; i += kTileRows) {
           const int64_t n = std::min(kTileRows, block_rows - i);
           const float* xi = x + (m0 + i) * in_features;
           float* yi = y + (m0 + i) * out_features + p * kPanel;
           if (cols == kPanel) {
-            tile_rows(n, 1, xi, in_features, panel, yi, out_features);
+            panels_done = tile_rows(n, full_panels, xi, in_features, panel, yi, out_features);
           } else {
-            tile_rows(n, 1, xi, in_features, panel, edge, kPanel);
+            tile_rows(n, 0, xi, in_features, panel, edge, kPanel);
             for (int64_t r = 0; r < n; ++r) std::memcpy(yi + r * out_features, edge + r * kPanel, cols * sizeof(float));
           }
         }
+        p += panels_done;
       }
     });
   }
