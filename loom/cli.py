@@ -9,6 +9,7 @@ from rich.console import Console
 
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.model.attention import ATTENTION_BACKENDS
+from loom.model.layer_ops import LAYER_OPS
 from loom.model.linear import MATMUL_BACKENDS
 
 
@@ -28,6 +29,8 @@ def _engine_args(p: argparse.ArgumentParser, kv_cache_gib: float) -> None:
     p.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
     p.add_argument("--matmul-backend", default="auto", choices=list(MATMUL_BACKENDS),
                    help="packed: Loom's C++ kernel on weights packed at load (CPU); torch: F.linear")
+    p.add_argument("--layer-ops", default="auto", choices=list(LAYER_OPS),
+                   help="fused: Loom's C++ kernel for a Llama layer's norm, RoPE and SwiGLU (CPU); torch: torch ops")
     p.add_argument("--threads", type=int, default=None)
 
 
@@ -40,6 +43,7 @@ def engine_config(args: argparse.Namespace, dtype: str | None = None) -> EngineC
         max_model_len=args.max_model_len,
         attention_backend=args.attention_backend,
         matmul_backend=args.matmul_backend,
+        layer_ops=args.layer_ops,
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                   long_prefill_chunk_tokens=args.long_prefill_chunk_tokens),
         cache=CacheConfig(
@@ -207,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--kv-cache-memory", type=float, default=3.0, help="GiB")
     pf.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
     pf.add_argument("--matmul-backend", default="auto", choices=list(MATMUL_BACKENDS))
+    pf.add_argument("--layer-ops", default="auto", choices=list(LAYER_OPS))
     pf.add_argument("--agreement-requests", type=int, default=16, help="mixed requests run in both dtypes")
     pf.add_argument("--threads", type=int, default=None)
     pf.set_defaults(func=cmd_bench_perf)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loom.model.attention import ATTENTION_BACKENDS
+from loom.model.layer_ops import LAYER_OPS
 from loom.model.linear import MATMUL_BACKENDS
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -73,6 +74,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     attention_backend: str = "auto"  # "auto" | "paged" (C++ kernel) | "sdpa" | "reference" (obvious, for tests)
     matmul_backend: str = "auto"  # "auto" | "packed" (C++ kernel) | "torch"
+    layer_ops: str = "auto"  # "auto" | "fused" (C++ kernel: norm, RoPE, SwiGLU) | "torch"
     num_threads: int | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -83,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.matmul_backend not in MATMUL_BACKENDS:
             raise ValueError(f"matmul_backend must be one of {MATMUL_BACKENDS}, got {self.matmul_backend!r}")
+        if self.layer_ops not in LAYER_OPS:
+            raise ValueError(f"layer_ops must be one of {LAYER_OPS}, got {self.layer_ops!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -60,6 +60,10 @@ def test_config_validation():
         SchedulerConfig(policy="fifo")
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype="float16")
+    with pytest.raises(ValueError, match="layer_ops"):
+        EngineConfig(layer_ops="fast")
+    with pytest.raises(ValueError, match="matmul_backend"):
+        EngineConfig(matmul_backend="blas")
     with pytest.raises(ValueError, match="block_size"):
         CacheConfig(block_size=0)
 

@@ -19,9 +19,9 @@ TINY_PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize(("backend", "matmul"), [("paged", "packed"), ("paged", "torch"), ("sdpa", "packed"),
-                                                  ("reference", "torch")])
-def test_tiny_models_match_transformers(tiny_model_dir, backend, matmul):
+@pytest.mark.parametrize(("backend", "matmul", "ops"), [("paged", "packed", "fused"), ("paged", "torch", "fused"),
+                                                         ("sdpa", "packed", "torch"), ("reference", "torch", "torch")])
+def test_tiny_models_match_transformers(tiny_model_dir, backend, matmul, ops):
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -31,7 +31,7 @@ def test_tiny_models_match_transformers(tiny_model_dir, backend, matmul):
     assert sum(len(e) for e in expected) > 100, "the reference must generate real sequences"
 
     llm = LLM(loaded=loaded, max_num_seqs=3, max_num_batched_tokens=32, num_kv_blocks=64, block_size=8,
-              attention_backend=backend, matmul_backend=matmul)
+              attention_backend=backend, matmul_backend=matmul, layer_ops=ops)
     params = [SamplingParams(max_tokens=n, temperature=0.0) for n in max_tokens]
     got = [o.token_ids for o in llm.generate(TINY_PROMPTS, params)]
     assert got == expected
@@ -56,7 +56,7 @@ def test_smollm2_article_prompts_match_transformers(smollm2, hf_smollm2):
 def test_rms_norm_gives_transformers_bits(dtype, rows):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from loom.model.llama import rms_norm
+    from loom.model.layer_ops import rms_norm
 
     gen = torch.Generator().manual_seed(rows)
     hf = LlamaRMSNorm(576, eps=1e-5).to(dtype)

@@ -33,6 +33,7 @@ from loom.bench.workloads import mixed_workload
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.engine.batch import build_batch_metadata
 from loom.engine.engine import LLMEngine
+from loom.model.layer_ops import FusedLayerOps
 from loom.model.linear import PackedLinear, make_matmul
 from loom.model.loader import LoadedModel, load_model
 from loom.model.sampler import sample
@@ -89,6 +90,12 @@ def matmul_peak(model, rows_options: tuple[int, ...] = (64, 256, 512, 2048)) -> 
 
 def matmul_backend_name(model) -> str:
     return "packed" if isinstance(model.lm_head, PackedLinear) else "torch"
+
+
+def layer_ops_name(model) -> str | None:
+    """'fused' or 'torch' for a Llama; None for an architecture without pluggable layer ops (GPT-2)."""
+    ops = getattr(model, "ops", None)
+    return None if ops is None else ("fused" if isinstance(ops, FusedLayerOps) else "torch")
 
 
 def _random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -258,14 +265,15 @@ def main(args: argparse.Namespace) -> int:
     for dtype in args.dtypes.split(","):
         config = EngineConfig(
             dtype=dtype, num_threads=args.threads, attention_backend=args.attention_backend,
-            matmul_backend=args.matmul_backend,
+            matmul_backend=args.matmul_backend, layer_ops=args.layer_ops,
             scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max(2048, args.prefill_tokens)),
             cache=CacheConfig(kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), enable_prefix_caching=False),
         )
         engine = LLMEngine(config, loaded)
         backend = matmul_backend_name(engine.runner.model)
         base = {"dtype": dtype, "threads": torch.get_num_threads(),
-                "attention_backend": type(engine.runner.attention).__name__, "matmul_backend": backend}
+                "attention_backend": type(engine.runner.attention).__name__, "matmul_backend": backend,
+                "layer_ops": layer_ops_name(engine.runner.model)}
         peaks = {backend: matmul_peak(engine.runner.model)}
         if backend != "torch":
             peaks["torch"] = matmul_peak(loaded.build(engine.config.dtype, make_matmul("torch")))

@@ -17,6 +17,7 @@ from loom.engine.request import Request, TokenLogprob
 from loom.engine.runner import ModelRunner, StepResult
 from loom.engine.scheduler import ContinuousScheduler, Scheduler, SchedulerOutput, StaticScheduler
 from loom.model.attention import make_attention
+from loom.model.layer_ops import make_layer_ops
 from loom.model.linear import make_matmul
 from loom.model.loader import LoadedModel, load_model
 from loom.sampling import SamplingParams
@@ -97,7 +98,8 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks)
         # An engine that read the weights itself is their only user: the model may consume them as it builds, so
         # the originals and their packed copies are never all in memory at once.
-        model = self.loaded.build(self.config.dtype, make_matmul(self.config.matmul_backend), consume=loaded is None)
+        model = self.loaded.build(self.config.dtype, make_matmul(self.config.matmul_backend),
+                                  make_layer_ops(self.config.layer_ops), consume=loaded is None)
         self.runner = ModelRunner(model, kv_spec, num_blocks, make_attention(self.config.attention_backend))
         self.scheduler = self._make_scheduler(self.config.scheduler)
         self.requests: dict[str, Request] = {}

@@ -64,6 +64,11 @@ def load_packed_linear(verbose: bool = False) -> ModuleType | None:
     return _load("loom_packed_linear", "packed_linear.cpp", verbose)
 
 
+def load_layer_ops(verbose: bool = False) -> ModuleType | None:
+    """The compiled `add_rms_norm` / `rotary_` / `silu_mul` module, or None if it cannot be built here."""
+    return _load("loom_layer_ops", "layer_ops.cpp", verbose)
+
+
 def build() -> None:
     """Compile (or find cached) every kernel now and say whether it is usable; `make install` calls this."""
     logging.basicConfig(level=logging.INFO)
@@ -71,3 +76,5 @@ def build() -> None:
     print("loom paged attention kernel:", "ready" if attention else "unavailable (torch SDPA will be used)")
     linear = load_packed_linear()
     print("loom packed linear kernel:", "ready" if linear else "unavailable (torch matmuls will be used)")
+    layer_ops = load_layer_ops()
+    print("loom fused layer ops:", "ready" if layer_ops else "unavailable (torch ops will be used)")

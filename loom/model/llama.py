@@ -1,8 +1,9 @@
 """Llama-family forward over a packed row: RMSNorm, RoPE, GQA, SwiGLU; tied or untied head; optional qkv bias (Qwen2).
 
 Weights arrive under Hugging Face names; q/k/v and gate/up are fused at construction so each layer runs
-four matmuls, each a `Linear` from the matmul backend. The numerics follow transformers' Llama (fp32 RMSNorm,
-rotate_half RoPE) so greedy outputs match.
+four matmuls, each a `Linear` from the matmul backend. The norms (each with the residual add before it), RoPE and
+SwiGLU's SiLU * up come from `ops` (torch's, or Loom's fused kernels); their numerics follow transformers' Llama
+(fp32 RMSNorm, rotate_half RoPE) so greedy outputs match.
 """
 
 from __future__ import annotations
@@ -10,28 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from loom.engine.batch import BatchMetadata
 from loom.model.attention import AttentionBackend, KVCache
 from loom.model.config import ModelConfig
+from loom.model.layer_ops import TorchLayerOps
 from loom.model.linear import Linear, MatmulBackend
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As transformers computes it: variance in float32, scaled back to the input dtype before the weight.
-
-    torch's fused `F.rms_norm` gives the same bits as transformers' pow/mean/rsqrt chain here, in one op instead of
-    seven: at one decode row, where each op costs its dispatch, 26 instead of 38 us a call (61 calls a step).
-    """
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 @dataclass
@@ -48,9 +33,10 @@ class LlamaModel:
     """Holds the weights (plain tensors, inference only) and runs one step."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 matmul: MatmulBackend) -> None:
+                 matmul: MatmulBackend, ops: TorchLayerOps) -> None:
         self.config = config
         self.dtype = dtype
+        self.ops = ops
 
         def w(name: str) -> torch.Tensor:
             return weights.pop(name).to(dtype)
@@ -85,25 +71,25 @@ class LlamaModel:
     def forward(self, meta: BatchMetadata, kv_caches: list[KVCache], attention: AttentionBackend) -> torch.Tensor:
         """Hidden states [T, hidden] after the last layer (final norm not yet applied)."""
         cfg = self.config
+        ops = self.ops
         num_tokens = meta.num_tokens
         h_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        cos = self.rope_cos[meta.positions].unsqueeze(1)
-        sin = self.rope_sin[meta.positions].unsqueeze(1)
+        cos, sin = self.rope_cos[meta.positions], self.rope_sin[meta.positions]
         scale = cfg.head_dim**-0.5
-        hidden = self.embed[meta.input_ids]
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = rms_norm(hidden, layer.input_norm, cfg.norm_eps)
-            qkv = layer.qkv(x)
-            # q and k heads side by side, rotated together: the same arithmetic per element, half the op calls.
-            qk = qkv[:, : h_dim + kv_dim].view(num_tokens, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-            qk = qk * cos + rotate_half(qk) * sin
+        hidden, x = ops.add_rms_norm(self.embed[meta.input_ids], None, self.layers[0].input_norm, cfg.norm_eps)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            # q and k heads side by side, rotated together.
+            qkv = ops.rotate_qk(layer.qkv(x), cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            q = qkv[:, :h_dim].view(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, h_dim : h_dim + kv_dim].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, h_dim + kv_dim :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             attn = attention(q, k, v.contiguous(), kv_cache, meta, scale)
-            hidden = hidden + layer.o(attn)
-            x = rms_norm(hidden, layer.post_norm, cfg.norm_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
+            hidden, x = ops.add_rms_norm(hidden, layer.o(attn), layer.post_norm, cfg.norm_eps)
+            delta = layer.down(ops.silu_mul(layer.gate_up(x)))
+            if i + 1 < len(self.layers):
+                hidden, x = ops.add_rms_norm(hidden, delta, self.layers[i + 1].input_norm, cfg.norm_eps)
+            else:
+                hidden = hidden + delta
         return hidden
 
     def layer_linears(self) -> list[Linear]:
@@ -112,4 +98,4 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the selected rows only (one per sampling request, not every prompt token)."""
-        return self.lm_head(rms_norm(hidden, self.final_norm, self.config.norm_eps)).float()
+        return self.lm_head(self.ops.add_rms_norm(hidden, None, self.final_norm, self.config.norm_eps)[1]).float()

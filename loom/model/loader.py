@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from loom.cache_dir import default_cache_dir
 from loom.model.config import ModelConfig
+from loom.model.layer_ops import TorchLayerOps
 from loom.model.linear import MatmulBackend
 from loom.tokenizer import Tokenizer
 
@@ -37,8 +38,10 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
 
-    def build(self, dtype: torch.dtype, matmul: MatmulBackend, consume: bool = False):
-        """The forward implementation for this architecture, with weights cast to `dtype` and handed to `matmul`.
+    def build(self, dtype: torch.dtype, matmul: MatmulBackend, ops: TorchLayerOps | None = None,
+              consume: bool = False):
+        """The forward implementation for this architecture, with weights cast to `dtype` and handed to `matmul`;
+        a Llama runs its norms, RoPE and SwiGLU with `ops` (torch's by default).
 
         The model takes each weight out of the dict it is given. With `consume`, that is this LoadedModel's own
         dict, so each original is freed as soon as the model has its own copy (a packed one, say) and the peak
@@ -48,8 +51,11 @@ class LoadedModel:
         from loom.model.gpt2 import GPT2Model
         from loom.model.llama import LlamaModel
 
-        cls = LlamaModel if self.config.arch == "llama" else GPT2Model
-        model = cls(self.config, self.weights if consume else dict(self.weights), dtype, matmul)
+        weights = self.weights if consume else dict(self.weights)
+        if self.config.arch == "llama":
+            model = LlamaModel(self.config, weights, dtype, matmul, ops or TorchLayerOps())
+        else:
+            model = GPT2Model(self.config, weights, dtype, matmul)
         if consume:
             self.weights.clear()  # names the architecture does not use
         return model

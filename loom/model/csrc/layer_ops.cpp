@@ -1,0 +1,189 @@
+// A Llama layer's small ops, each fused into one pass over its rows: residual add + RMSNorm, RoPE on q and k in
+// place, SiLU(gate) * up. torch runs each as a chain of 3-10 ops; at one decode row every op costs its dispatch, and
+// at 64 rows every op re-reads its input. bfloat16 results are rounded where torch rounds them (after each op of
+// transformers' chain), so they match torch's to the summation order of the norm's mean.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline float widen(float x) { return x; }
+inline float widen(at::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// x rounded to nearest even at bfloat16's precision (the high 16 bits of a float32), as the bits to store.
+inline uint32_t bf16_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+}
+
+// x as torch would store it in T, read back as float32: exact for float, rounded for bfloat16.
+template <typename T>
+inline float rounded(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    const uint32_t bits = bf16_bits(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+}
+
+template <typename T>
+inline T narrow(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    at::BFloat16 b;
+    b.x = static_cast<uint16_t>(bf16_bits(x));
+    return b;
+  }
+}
+
+// Rows per work item: small inputs (a decode step of a few rows) stay on the calling thread.
+inline int64_t grain(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
+
+template <typename T>
+void add_rms_norm_impl(T* hidden, const T* delta, const T* weight, T* out, int64_t rows, int64_t cols, float eps) {
+  at::parallel_for(0, rows, grain(cols), [&](int64_t begin, int64_t end) {
+    std::vector<float> h(cols);
+    for (int64_t r = begin; r < end; ++r) {
+      T* hr = hidden + r * cols;
+      float squares = 0.f;
+      for (int64_t c = 0; c < cols; ++c) {
+        float v = widen(hr[c]);
+        if (delta != nullptr) {
+          v = rounded<T>(v + widen(delta[r * cols + c]));
+          hr[c] = narrow<T>(v);
+        }
+        h[c] = v;
+        squares += v * v;
+      }
+      // In double: -ffast-math would turn a float 1/sqrt into an approximate reciprocal square root.
+      const float inv_rms = static_cast<float>(1.0 / std::sqrt(static_cast<double>(squares / cols + eps)));
+      T* orow = out + r * cols;
+      for (int64_t c = 0; c < cols; ++c) orow[c] = narrow<T>(widen(weight[c]) * rounded<T>(h[c] * inv_rms));
+    }
+  });
+}
+
+template <typename T>
+void rotary_impl(T* qkv, int64_t row_stride, const T* cos, const T* sin, int64_t rows, int64_t heads,
+                 int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, rows, grain(heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cos + r * head_dim;
+      const T* s = sin + r * head_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x = qkv + r * row_stride + h * head_dim;
+        // x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1); each product rounded, then the sum.
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = widen(x[i]), x2 = widen(x[i + half]);
+          x[i] = narrow<T>(rounded<T>(x1 * widen(c[i])) - rounded<T>(x2 * widen(s[i])));
+          x[i + half] = narrow<T>(rounded<T>(x2 * widen(c[i + half])) + rounded<T>(x1 * widen(s[i + half])));
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = gate_up + r * 2 * width;
+      const T* up = gate + width;
+      T* orow = out + r * width;
+      for (int64_t i = 0; i < width; ++i) {
+        const float g = widen(gate[i]);
+        orow[i] = narrow<T>(rounded<T>(g / (1.f + std::exp(-g))) * widen(up[i]));
+      }
+    }
+  });
+}
+
+template <typename F>
+void by_dtype(const torch::Tensor& t, const char* op, F&& run) {
+  if (t.scalar_type() == at::kFloat) {
+    run(static_cast<float*>(nullptr));
+  } else {
+    TORCH_CHECK(t.scalar_type() == at::kBFloat16, op, " takes float32 or bfloat16, not ", t.scalar_type());
+    run(static_cast<at::BFloat16*>(nullptr));
+  }
+}
+
+void check_cpu_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.is_contiguous(), name, " must be a contiguous 2-d CPU tensor");
+}
+
+}  // namespace
+
+// hidden [T, C] (+= delta [T, C] in place, when given) -> RMSNorm(hidden) * weight [C] as a new tensor.
+torch::Tensor add_rms_norm(torch::Tensor& hidden, const std::optional<torch::Tensor>& delta,
+                           const torch::Tensor& weight, double eps) {
+  check_cpu_rows(hidden, "hidden");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden.size(1) && weight.scalar_type() == hidden.scalar_type(),
+              "weight must be [hidden.size(1)] of hidden's dtype");
+  if (delta) {
+    check_cpu_rows(*delta, "delta");
+    TORCH_CHECK(delta->sizes() == hidden.sizes() && delta->scalar_type() == hidden.scalar_type(),
+                "delta must match hidden's shape and dtype");
+  }
+  auto w = weight.contiguous();
+  auto out = torch::empty_like(hidden);
+  by_dtype(hidden, "add_rms_norm", [&](auto* typed) {
+    using T = std::remove_pointer_t<decltype(typed)>;
+    add_rms_norm_impl<T>(hidden.data_ptr<T>(), delta ? delta->data_ptr<T>() : nullptr, w.data_ptr<T>(),
+                         out.data_ptr<T>(), hidden.size(0), hidden.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// Rotates the first `heads` heads of each row of qkv [T, W] in place; cos, sin [T, head_dim] are the rows' angles.
+void rotary_(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
+             int64_t head_dim) {
+  check_cpu_rows(qkv, "qkv");
+  check_cpu_rows(cos, "cos");
+  check_cpu_rows(sin, "sin");
+  TORCH_CHECK(head_dim % 2 == 0 && heads * head_dim <= qkv.size(1), "the rotated heads must fit in a row");
+  TORCH_CHECK(cos.size(0) == qkv.size(0) && cos.size(1) == head_dim && sin.sizes() == cos.sizes(),
+              "cos and sin must be [T, head_dim]");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "dtype mismatch");
+  by_dtype(qkv, "rotary_", [&](auto* typed) {
+    using T = std::remove_pointer_t<decltype(typed)>;
+    rotary_impl<T>(qkv.data_ptr<T>(), qkv.size(1), cos.data_ptr<T>(), sin.data_ptr<T>(), qkv.size(0), heads,
+                   head_dim);
+  });
+}
+
+// gate_up [T, 2I] (gate then up) -> SiLU(gate) * up [T, I].
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  check_cpu_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must hold gate and up side by side");
+  const int64_t width = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), width}, gate_up.options());
+  by_dtype(gate_up, "silu_mul", [&](auto* typed) {
+    using T = std::remove_pointer_t<decltype(typed)>;
+    silu_mul_impl<T>(gate_up.data_ptr<T>(), out.data_ptr<T>(), gate_up.size(0), width);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm, "hidden += delta (in place, if given); returns RMSNorm(hidden) * weight");
+  m.def("rotary_", &rotary_, "RoPE on the first heads of each row, in place");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
+}

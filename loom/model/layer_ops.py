@@ -1,0 +1,93 @@
+"""A Llama layer's small ops (RMSNorm with the residual add, RoPE, SwiGLU's SiLU * up): torch ops, or fused kernels.
+
+`TorchLayerOps` is the reference: transformers' numerics, op for op. `FusedLayerOps` runs each as one pass of Loom's
+C++ kernel on CPU tensors (csrc/layer_ops.cpp), rounding bfloat16 where torch rounds it; on other devices it is
+the torch ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from loom.model.kernels import load_layer_ops
+
+LAYER_OPS = ("auto", "fused", "torch")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers computes it: variance in float32, scaled back to the input dtype before the weight.
+
+    torch's fused `F.rms_norm` gives the same bits as transformers' pow/mean/rsqrt chain here, in one call.
+    """
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class TorchLayerOps:
+    """The ops as torch calls."""
+
+    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + delta, RMSNorm of it): the residual stream and the next sublayer's input."""
+        if delta is not None:
+            hidden = hidden + delta
+        return hidden, rms_norm(hidden, weight, eps)
+
+    def rotate_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                  head_dim: int) -> torch.Tensor:
+        """qkv [T, W] with its first `heads` heads (q's, then k's) rotated; cos, sin [T, head_dim]."""
+        qk = qkv[:, : heads * head_dim].view(-1, heads, head_dim)
+        rotated = qk * cos.unsqueeze(1) + rotate_half(qk) * sin.unsqueeze(1)
+        return torch.cat((rotated.flatten(1), qkv[:, heads * head_dim :]), dim=1)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+@dataclass
+class FusedLayerOps(TorchLayerOps):
+    """One kernel call per op on CPU; 64-row decode steps and one-row steps both lose most of the ops' cost."""
+
+    kernel: ModuleType
+
+    def add_rms_norm(self, hidden, delta, weight, eps):
+        if hidden.device.type != "cpu":
+            return super().add_rms_norm(hidden, delta, weight, eps)
+        # hidden is the forward's own residual stream (a fresh tensor from the embedding), updated in place.
+        return hidden, self.kernel.add_rms_norm(hidden, delta, weight, eps)
+
+    def rotate_qk(self, qkv, cos, sin, heads, head_dim):
+        if qkv.device.type != "cpu":
+            return super().rotate_qk(qkv, cos, sin, heads, head_dim)
+        self.kernel.rotary_(qkv, cos, sin, heads, head_dim)
+        return qkv
+
+    def silu_mul(self, gate_up):
+        if gate_up.device.type != "cpu":
+            return super().silu_mul(gate_up)
+        return self.kernel.silu_mul(gate_up)
+
+
+def make_layer_ops(name: str) -> TorchLayerOps:
+    """'auto': the fused kernels when they build on this machine, else torch; 'fused' insists on the kernels."""
+    if name not in LAYER_OPS:
+        raise ValueError(f"unknown layer ops {name!r}; choose one of {LAYER_OPS}")
+    if name == "torch":
+        return TorchLayerOps()
+    kernel = load_layer_ops()
+    if kernel is None:
+        if name == "fused":
+            raise RuntimeError("layer_ops='fused' needs the C++ kernel, which failed to build (see the log)")
+        return TorchLayerOps()
+    return FusedLayerOps(kernel)

@@ -1,0 +1,99 @@
+"""The fused layer-op kernels against the torch ops they replace (which follow transformers op for op)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loom.model.layer_ops import FusedLayerOps, TorchLayerOps, make_layer_ops
+
+
+@pytest.fixture(scope="module")
+def fused() -> FusedLayerOps:
+    ops = make_layer_ops("auto")
+    assert isinstance(ops, FusedLayerOps), "the fused layer ops must build on the CI machine"
+    return ops
+
+
+def close_to_torch(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """float32: within a few ulps (summation order, fused multiply-adds). bfloat16: torch's bits, except where a
+    norm's float32 mean, summed in another order, tips a rounding the other way (one step, then the weight's)."""
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=4e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2**-6, atol=0)
+        assert (got != expected).float().mean().item() < 1e-3
+
+
+# rows: one decode row, a few, more than one work item per thread; widths: SmolLM2's hidden size and odd ones.
+ROWS = [1, 7, 64, 300]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", [576, 37])
+def test_add_rms_norm_matches_torch(fused, dtype, rows, width):
+    gen = torch.Generator().manual_seed(rows * 100 + width)
+    hidden = (3 * torch.randn(rows, width, generator=gen)).to(dtype)
+    delta = torch.randn(rows, width, generator=gen).to(dtype)
+    weight = torch.randn(width, generator=gen).to(dtype)
+    expected_hidden, expected = TorchLayerOps().add_rms_norm(hidden, delta, weight, 1e-5)
+
+    ours = hidden.clone()
+    got_hidden, got = fused.add_rms_norm(ours, delta, weight, 1e-5)
+    assert got_hidden is ours, "the residual stream is updated in place"
+    assert torch.equal(got_hidden, expected_hidden), "the residual add rounds as torch's add does"
+    close_to_torch(got, expected)
+
+    unchanged = hidden.clone()
+    _, got = fused.add_rms_norm(unchanged, None, weight, 1e-5)
+    assert torch.equal(unchanged, hidden)
+    close_to_torch(got, TorchLayerOps().add_rms_norm(hidden, None, weight, 1e-5)[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_rotate_qk_matches_torch(fused, dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    heads, head_dim, width = 12, 64, 15 * 64  # SmolLM2: 9 q + 3 k heads rotated, 3 v heads left alone
+    qkv = torch.randn(rows, width, generator=gen).to(dtype)
+    angles = torch.randn(rows, head_dim, generator=gen)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    expected = TorchLayerOps().rotate_qk(qkv, cos, sin, heads, head_dim)
+
+    got = fused.rotate_qk(qkv.clone(), cos, sin, heads, head_dim)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, expected), "each product and the sum are rounded where torch rounds them"
+    close_to_torch(got, expected)
+    assert torch.equal(got[:, heads * head_dim :], qkv[:, heads * head_dim :])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", [1536, 13])
+def test_silu_mul_matches_torch(fused, dtype, rows, width):
+    gen = torch.Generator().manual_seed(rows * 100 + width)
+    gate_up = (4 * torch.randn(rows, 2 * width, generator=gen)).to(dtype)
+    expected = TorchLayerOps().silu_mul(gate_up)
+    got = fused.silu_mul(gate_up)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, expected)
+    close_to_torch(got, expected)
+
+
+def test_fused_ops_reject_what_they_cannot_run(fused):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        fused.silu_mul(torch.zeros(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        fused.silu_mul(torch.zeros(8, 4).t())
+    with pytest.raises(RuntimeError, match="weight must be"):
+        fused.add_rms_norm(torch.zeros(2, 8), None, torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        fused.rotate_qk(torch.zeros(2, 64), torch.zeros(2, 16), torch.zeros(2, 16), 2, 32)
+
+
+def test_unknown_layer_ops_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown layer ops"):
+        make_layer_ops("fast")
