@@ -57,7 +57,7 @@ class TorchLayerOps:
 
 @dataclass
 class FusedLayerOps(TorchLayerOps):
-    """One kernel call per op on CPU; 64-row decode steps and one-row steps both lose most of the ops' cost."""
+    """One C++ call per op on CPU tensors, in place of torch's chains of 3-10 ops (and their passes over memory)."""
 
     kernel: ModuleType
 
