@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
-from loom.model.kernels import load_paged_attention
+from loom.model.kernels import kernel_for, load_paged_attention
 
 if TYPE_CHECKING:
     from loom.engine.batch import BatchMetadata
@@ -186,12 +186,8 @@ ATTENTION_BACKENDS = ("auto", "paged", "sdpa", "reference")
 def make_attention(name: str) -> AttentionBackend:
     """'auto': the compiled kernel when it builds on this machine, else SDPA; 'paged' insists on the kernel."""
     if name in ("auto", "paged"):
-        kernel = load_paged_attention()
-        if kernel is not None:
-            return PagedKernelAttention(kernel)
-        if name == "paged":
-            raise RuntimeError("attention_backend='paged' needs the C++ kernel, which failed to build (see the log)")
-        return SdpaAttention()
+        kernel = kernel_for("attention_backend", name, "paged", load_paged_attention)
+        return SdpaAttention() if kernel is None else PagedKernelAttention(kernel)
     if name == "sdpa":
         return SdpaAttention()
     if name == "reference":

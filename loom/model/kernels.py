@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import platform
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -52,6 +53,15 @@ def _load(name: str, source: str, verbose: bool) -> ModuleType | None:
     except (RuntimeError, OSError, ImportError) as exc:  # no compiler, no ninja, a failed build
         log.warning("C++ kernel %s unavailable (%s); using torch ops instead", name, exc)
         return None
+
+
+def kernel_for(option: str, choice: str, insisted: str, load: Callable[[], ModuleType | None]) -> ModuleType | None:
+    """The kernel that `option=choice` ('auto' or `insisted`) asks for, or None where it cannot be built here;
+    a clear error instead when the choice is `insisted`, which demands the kernel."""
+    kernel = load()
+    if kernel is None and choice == insisted:
+        raise RuntimeError(f"{option}={insisted!r} needs the C++ kernel, which failed to build (see the log)")
+    return kernel
 
 
 def load_paged_attention(verbose: bool = False) -> ModuleType | None:

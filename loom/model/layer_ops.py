@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from loom.model.kernels import load_layer_ops
+from loom.model.kernels import kernel_for, load_layer_ops
 
 LAYER_OPS = ("auto", "fused", "torch")
 
@@ -85,9 +85,5 @@ def make_layer_ops(name: str) -> TorchLayerOps:
         raise ValueError(f"unknown layer ops {name!r}; choose one of {LAYER_OPS}")
     if name == "torch":
         return TorchLayerOps()
-    kernel = load_layer_ops()
-    if kernel is None:
-        if name == "fused":
-            raise RuntimeError("layer_ops='fused' needs the C++ kernel, which failed to build (see the log)")
-        return TorchLayerOps()
-    return FusedLayerOps(kernel)
+    kernel = kernel_for("layer_ops", name, "fused", load_layer_ops)
+    return TorchLayerOps() if kernel is None else FusedLayerOps(kernel)

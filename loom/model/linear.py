@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from loom.model.kernels import load_packed_linear
+from loom.model.kernels import kernel_for, load_packed_linear
 
 MATMUL_BACKENDS = ("auto", "packed", "torch")
 PANEL_COLUMNS = 16
@@ -122,7 +122,4 @@ def make_matmul(name: str) -> MatmulBackend:
         raise ValueError(f"unknown matmul backend {name!r}; choose one of {MATMUL_BACKENDS}")
     if name == "torch":
         return MatmulBackend(None)
-    kernel = load_packed_linear()
-    if kernel is None and name == "packed":
-        raise RuntimeError("matmul_backend='packed' needs the C++ kernel, which failed to build (see the log)")
-    return MatmulBackend(kernel)
+    return MatmulBackend(kernel_for("matmul_backend", name, "packed", load_packed_linear))

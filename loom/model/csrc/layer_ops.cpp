@@ -28,19 +28,6 @@ inline uint32_t bf16_bits(float x) {
   return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
 }
 
-// x as torch would store it in T, read back as float32: exact for float, rounded for bfloat16.
-template <typename T>
-inline float rounded(float x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else {
-    const uint32_t bits = bf16_bits(x) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-  }
-}
-
 template <typename T>
 inline T narrow(float x) {
   if constexpr (std::is_same_v<T, float>) {
@@ -51,6 +38,10 @@ inline T narrow(float x) {
     return b;
   }
 }
+
+// x as torch would store it in T, read back as float32: exact for float, rounded for bfloat16.
+template <typename T>
+inline float rounded(float x) { return widen(narrow<T>(x)); }
 
 // Rows per work item: small inputs (a decode step of a few rows) stay on the calling thread.
 inline int64_t grain(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
