@@ -1,11 +1,10 @@
-"""Loom's CPU attention paths (the compiled decode kernel, the tiled prefill chunks) equal the obvious attention."""
+"""Loom's compiled CPU attention kernels (decode tokens, prefill chunks) equal the obvious attention."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from loom.model.attention import tiled_chunk_attention
 from loom.model.kernels import load_paged_attention
 
 
@@ -73,22 +72,48 @@ def obvious_chunk(q, keys, values, scale):
 
 
 @pytest.mark.parametrize(
-    "n,ctx,heads,kv_heads,max_scores",
+    "heads,kv_heads,head_dim,block_size",
     [
-        (1, 1, 9, 3, 1 << 20),  # a one-token prompt
-        (37, 37, 9, 3, 1 << 20),  # a whole prompt in one tile
-        (100, 100, 9, 3, 9 * 100 * 16),  # a whole prompt in tiles of 16
-        (45, 300, 9, 3, 9 * 300 * 20),  # a later chunk over cached context, in tiles of 20 (the last one partial)
-        (5, 2000, 4, 4, 1 << 20),  # short chunk, long context, no GQA
+        (9, 3, 64, 16),  # SmolLM2's shape
+        (4, 4, 128, 8),  # no GQA
+        (6, 2, 30, 5),  # a head size that is not a multiple of the kernel's 4-dim tiles, odd blocks
+        (6, 2, 24, 1),  # one token per block: a softmax step spans 64 blocks
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiled_chunk_attention_matches_obvious(n, ctx, heads, kv_heads, max_scores, dtype):
-    gen = torch.Generator().manual_seed(n + ctx)
-    q = torch.randn(n, heads, 64, generator=gen).to(dtype)
-    keys = torch.randn(ctx, kv_heads, 64, generator=gen).to(dtype)
-    values = torch.randn(ctx, kv_heads, 64, generator=gen).to(dtype)
+def test_prefill_kernel_matches_obvious(kernel, heads, kv_heads, head_dim, block_size, dtype):
+    """Several chunks in one call, after two decode rows it must leave alone: first prompts (n == ctx) of 1, 37 and
+    100 tokens (tiles of 24 query rows, the last partial), later chunks over cached context (45 of 300, 5 of 2000)."""
+    gen = torch.Generator().manual_seed(heads * head_dim + block_size)
+    chunks = [(1, 1), (37, 37), (45, 300), (100, 100), (5, 2000)]  # (query tokens, context)
+    num_decodes = 2
+    lens = [3, 9] + [ctx for _, ctx in chunks]
+    q_lens = [1, 1] + [n for n, _ in chunks]
+    starts = torch.tensor([0] + q_lens).cumsum(0)
+    max_blocks = -(-max(lens) // block_size) + 1
+    num_blocks = len(lens) * max_blocks + 1
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks - 1, generator=gen)[: len(lens) * max_blocks].view(len(lens), max_blocks) + 1
+    q = torch.randn(int(starts[-1]), heads, head_dim, generator=gen).to(dtype)
     out = torch.full_like(q, float("nan"))
-    tiled_chunk_attention(q, keys, values, 0.125, out, max_scores=max_scores)
+    scale = head_dim**-0.5
+    kernel.prefill_attention(q, k_cache, v_cache, tables, torch.tensor(lens), starts, num_decodes, out, scale)
+    assert out[:num_decodes].isnan().all()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.float(), obvious_chunk(q, keys, values, 0.125), atol=tol, rtol=tol)
+    for i in range(num_decodes, len(lens)):
+        rows = slice(int(starts[i]), int(starts[i + 1]))
+        keys = k_cache[tables[i]].flatten(0, 1)[: lens[i]]
+        values = v_cache[tables[i]].flatten(0, 1)[: lens[i]]
+        expected = obvious_chunk(q[rows], keys, values, scale)
+        torch.testing.assert_close(out[rows].float(), expected, atol=tol, rtol=tol)
+
+
+def test_prefill_kernel_rejects_bad_chunks(kernel):
+    q = torch.zeros(4, 2, 8)
+    cache = torch.zeros(4, 2, 1, 8)
+    tables = torch.ones(1, 2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="longer than its context"):
+        kernel.prefill_attention(q, cache, cache, tables, torch.tensor([3]), torch.tensor([0, 4]), 0, q.clone(), 1.0)
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        kernel.prefill_attention(q, cache, cache, tables, torch.tensor([5]), torch.tensor([0, 4]), 0, q.clone(), 1.0)

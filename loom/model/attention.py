@@ -1,9 +1,9 @@
 """Ragged paged attention: write this step's K/V at their slots, then attend block-diagonal causal.
 
 Three backends share one signature:
-- `PagedKernelAttention` (fastest on CPU): every decode token of the step in one call of Loom's C++ kernel, which
-  reads each request's K and V once, block by block through its block table; each prefill chunk in query tiles of
-  float32 matmuls (`tiled_chunk_attention`), which runs 2-4x faster than torch's CPU SDPA on long contexts.
+- `PagedKernelAttention` (fastest on CPU): two calls of Loom's C++ kernels per layer, both reading K and V through
+  the block tables in place. One takes every decode token of the step, reading each request's K and V once; the
+  other every prompt chunk, flash-attention style (tiles of query rows, online softmax, scores kept in cache).
 - `SdpaAttention` (portable): all decode tokens in one batched SDPA over K/V gathered through the block tables
   (a temporary copy per layer); each prefill chunk in one SDPA call.
 - `ReferenceAttention` (obvious): per sequence, gather its context, build the causal mask, softmax by hand.
@@ -43,34 +43,6 @@ def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
 def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
     """K or V of one sequence's first `length` tokens, [length, KVH, D], read through its block table."""
     return cache[block_ids].flatten(0, 1)[:length]
-
-
-def tiled_chunk_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, out: torch.Tensor, max_scores: int = 1 << 20
-) -> None:
-    """Causal attention of a prompt chunk's n queries (the last n of `ctx` positions) over its whole context.
-
-    q [n, H, D]; keys/values [ctx, KVH, D]; out [n, H, D]. Queries are taken in tiles so that one tile's scores
-    (at most `max_scores` floats) stay in cache; a tile sees only the keys up to its last query, and only the
-    diagonal square needs a mask. Each KV head's query group forms one matrix (exact GQA). Math in float32.
-    4 MB of scores (SmolLM2, 2048 tokens: 56-query tiles) beat 8 MB here: 96 vs 125 ms a layer in float32.
-    """
-    n, num_heads, head_dim = q.shape
-    ctx, num_kv_heads = keys.shape[0], keys.shape[1]
-    group = num_heads // num_kv_heads
-    q_by_head = (q.float() * scale).view(n, num_kv_heads, group, head_dim).transpose(0, 1)  # [KVH, n, g, D]
-    keys_t = keys.float().permute(1, 2, 0)  # [KVH, D, ctx]
-    values_h = values.float().transpose(0, 1)  # [KVH, ctx, D]
-    tile = max(16, min(n, max_scores // (num_heads * ctx)))
-    above_diagonal = torch.ones(tile, tile, dtype=torch.bool, device=q.device).triu(1).repeat_interleave(group, 0)
-    for first in range(0, n, tile):
-        rows = min(tile, n - first)
-        visible = ctx - n + first + rows
-        scores = torch.matmul(q_by_head[:, first : first + rows].reshape(num_kv_heads, rows * group, head_dim),
-                              keys_t[:, :, :visible])
-        scores[:, :, visible - rows :].masked_fill_(above_diagonal[: rows * group, :rows], float("-inf"))
-        o = torch.matmul(scores.softmax(-1), values_h[:, :visible])  # [KVH, rows*g, D]
-        out[first : first + rows] = o.view(num_kv_heads, rows, group, head_dim).transpose(0, 1).flatten(1, 2)
 
 
 def _prefill_chunks(
@@ -141,24 +113,23 @@ class SdpaAttention(PagedAttention):
 
 
 class PagedKernelAttention(SdpaAttention):
-    """CPU: decodes through the compiled kernel, prefill chunks through tiled matmuls; other devices as SdpaAttention."""
+    """CPU: decodes and prefill chunks each in one call of the compiled kernels; other devices as SdpaAttention."""
 
     def __init__(self, kernel: ModuleType) -> None:
         self.kernel = kernel
 
-    def attend_decodes(self, q, kv_cache: KVCache, meta: BatchMetadata, scale: float, out: torch.Tensor) -> None:
+    def attend(self, q, k, v, kv_cache: KVCache, meta: BatchMetadata, scale: float, out: torch.Tensor) -> None:
         if q.device.type != "cpu":
-            return super().attend_decodes(q, kv_cache, meta, scale, out)
-        nd = meta.num_decodes
-        self.kernel.decode_attention(
-            q[:nd].contiguous(), *kv_cache, meta.block_tables[:nd], meta.context_lens[:nd], out[:nd], scale
-        )
-
-    def attend_prefills(self, q, k, v, kv_cache: KVCache, meta: BatchMetadata, scale: float, out: torch.Tensor):
-        if q.device.type != "cpu":
-            return super().attend_prefills(q, k, v, kv_cache, meta, scale, out)
-        for start, end, keys, values in _prefill_chunks(k, v, kv_cache, meta):
-            tiled_chunk_attention(q[start:end], keys, values, scale, out[start:end])
+            return super().attend(q, k, v, kv_cache, meta, scale, out)
+        q, nd = q.contiguous(), meta.num_decodes
+        if nd:
+            self.kernel.decode_attention(
+                q[:nd], *kv_cache, meta.block_tables[:nd], meta.context_lens[:nd], out[:nd], scale
+            )
+        if meta.num_seqs > nd:
+            self.kernel.prefill_attention(
+                q, *kv_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q, nd, out, scale
+            )
 
 
 class ReferenceAttention(PagedAttention):

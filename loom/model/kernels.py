@@ -35,8 +35,8 @@ def _build_dir() -> Path:
     return default_cache_dir() / "kernels" / key
 
 
-def _load(name: str, source: str, verbose: bool) -> ModuleType | None:
-    """Compile csrc/`source` as module `name` (or find it built), or None with a warning if it cannot be built."""
+def _load(name: str, sources: list[str], verbose: bool) -> ModuleType | None:
+    """Compile csrc/`sources` as module `name` (or find it built), or None with a warning if it cannot be built."""
     from torch.utils import cpp_extension
 
     build_dir = _build_dir() / name
@@ -44,7 +44,7 @@ def _load(name: str, source: str, verbose: bool) -> ModuleType | None:
     try:
         return cpp_extension.load(
             name=name,
-            sources=[str(_SOURCES / source)],
+            sources=[str(_SOURCES / source) for source in sources],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
@@ -65,18 +65,18 @@ def kernel_for(option: str, choice: str, insisted: str, load: Callable[[], Modul
 
 
 def load_paged_attention(verbose: bool = False) -> ModuleType | None:
-    """The compiled `decode_attention` module, or None if it cannot be built here."""
-    return _load("loom_paged_attention", "paged_attention.cpp", verbose)
+    """The compiled `decode_attention` / `prefill_attention` module, or None if it cannot be built here."""
+    return _load("loom_paged_attention", ["paged_attention.cpp", "prefill_attention.cpp"], verbose)
 
 
 def load_packed_linear(verbose: bool = False) -> ModuleType | None:
     """The compiled `packed_linear` module, or None if it cannot be built here."""
-    return _load("loom_packed_linear", "packed_linear.cpp", verbose)
+    return _load("loom_packed_linear", ["packed_linear.cpp"], verbose)
 
 
 def load_layer_ops(verbose: bool = False) -> ModuleType | None:
     """The compiled `add_rms_norm` / `rotary_` / `silu_mul` module, or None if it cannot be built here."""
-    return _load("loom_layer_ops", "layer_ops.cpp", verbose)
+    return _load("loom_layer_ops", ["layer_ops.cpp"], verbose)
 
 
 def build() -> None:

@@ -137,6 +137,12 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, cons
   });
 }
 
+// Defined in prefill_attention.cpp.
+void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                       const torch::Tensor& query_starts, int64_t first_seq, torch::Tensor& out, double scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU)");
+  m.def("prefill_attention", &prefill_attention, "paged prefill attention, flash style (CPU)");
 }

@@ -1,0 +1,276 @@
+// Prefill attention straight from the paged KV cache, flash-attention style: every prompt chunk of the step in one
+// call, each chunk's queries causal over its whole context (earlier chunks included), K and V read block by block
+// through the block table, scores never leaving the cache.
+//
+// A work item is one tile of kRows query rows of one (sequence, KV head): the rows are the (token, head) pairs of
+// that head's GQA group, so each key is read once for the whole group. Vectors run along the query rows: Q^T[d][r],
+// scores S^T[key][r], the running max and sum per row, and the output O^T[d][r] are all rows of kRows floats, so
+// the online softmax (max, exp, rescale) is elementwise and both matmuls are register tiles of broadcast-FMAs.
+// Written with GCC/Clang vector extensions, so it compiles to AVX2/AVX-512 on x86 and to NEON on ARM. Bound into
+// the `loom_paged_attention` module by paged_attention.cpp.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 8;
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+constexpr int kVecs = 3;                 // query rows per tile = kVecs * kLanes (24: 8 tokens of a group of 3)
+constexpr int kRows = kVecs * kLanes;
+constexpr int kKeyTile = 4;              // keys per score register tile: 4 x kVecs accumulators
+constexpr int kDimTile = 4;              // head dims per output register tile
+constexpr int64_t kStepKeys = 64;        // keys per online-softmax step (whole cache blocks, at least one)
+constexpr int kMaxRuns = kStepKeys;      // blocks per step at most (block_size 1)
+// A masked score: finite, since -ffast-math assumes no infinities, and far below exp's range (exp gives 0).
+constexpr float kMasked = -1e30f;
+
+inline Vec splat(float x) { return Vec{} + x; }
+inline Vec vmax(Vec a, Vec b) { return a > b ? a : b; }
+
+// e^x for x <= 0 (scores minus their running max), to about 2 ulp; below -87 (masked keys) exactly 0.
+inline Vec exp_nonpositive(Vec x) {
+  const Vec clamped = vmax(x, splat(-87.f));
+  const Vec n = __builtin_convertvector(__builtin_convertvector(clamped * 1.44269504f - 0.5f, IVec), Vec);
+  const Vec f = clamped - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln 2, ln 2 in two parts
+  Vec p = splat(1.9875691500e-4f);
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  p = p * f * f + f + 1.f;
+  const IVec scale = (__builtin_convertvector(n, IVec) + 127) << 23;
+  Vec result;
+  std::memcpy(&result, &scale, sizeof result);
+  result *= p;
+  return x < -87.f ? splat(0.f) : result;
+}
+
+inline float widen(float x) { return x; }
+inline float widen(at::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// A run of keys (one cache block's) as float32 rows: `stride` floats apart.
+struct KeyRun {
+  const float* rows;
+  int64_t stride, count;
+};
+
+// One cache block's K or V rows for one KV head as float32: float32 read in place (a row every row_size floats),
+// bfloat16 widened into `buffer` (a row every head_dim floats).
+template <typename T>
+inline KeyRun block_rows(const T* rows, int64_t count, int64_t head_dim, int64_t row_size, float* buffer) {
+  if constexpr (std::is_same_v<T, float>) {
+    return {rows, row_size, count};
+  } else {
+    for (int64_t j = 0; j < count; ++j)
+      for (int64_t d = 0; d < head_dim; ++d) buffer[j * head_dim + d] = widen(rows[j * row_size + d]);
+    return {buffer, head_dim, count};
+  }
+}
+
+// s[j] = Q^T . key_j for KEYS keys: s[j][v] are the scores of key j for the tile's rows (vector v).
+template <int KEYS>
+inline void score_tile(const Vec* qt, const float* keys, int64_t stride, int64_t head_dim, Vec* s) {
+  Vec acc[KEYS][kVecs] = {};
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const Vec* q = qt + d * kVecs;
+#pragma GCC unroll 4
+    for (int j = 0; j < KEYS; ++j) {
+      const Vec k = splat(keys[j * stride + d]);
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) acc[j][v] += k * q[v];
+    }
+  }
+  for (int j = 0; j < KEYS; ++j)
+    for (int v = 0; v < kVecs; ++v) s[j * kVecs + v] = acc[j][v];
+}
+
+// O^T[d] = O^T[d] * alpha + sum_j p[j] * value_j[d] for DIMS dims starting at d0, over the step's runs of values.
+template <int DIMS>
+inline void value_tile(Vec* ot, const Vec* alpha, const Vec* p, const KeyRun* runs, int num_runs, int64_t d0) {
+  Vec acc[DIMS][kVecs];
+#pragma GCC unroll 4
+  for (int i = 0; i < DIMS; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v) acc[i][v] = ot[(d0 + i) * kVecs + v] * alpha[v];
+  for (int run = 0; run < num_runs; ++run) {
+    const float* values = runs[run].rows + d0;
+    const int64_t stride = runs[run].stride;
+    for (int64_t j = 0; j < runs[run].count; ++j, p += kVecs) {
+#pragma GCC unroll 4
+      for (int i = 0; i < DIMS; ++i) {
+        const Vec x = splat(values[j * stride + i]);
+#pragma GCC unroll 4
+        for (int v = 0; v < kVecs; ++v) acc[i][v] += x * p[v];
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < DIMS; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v) ot[(d0 + i) * kVecs + v] = acc[i][v];
+}
+
+struct Geometry {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, row_size;
+  float scale;
+};
+
+// One tile: rows [row0, row0 + kRows) of the chunk's (token, group head) rows for KV head kvh.
+template <typename T>
+void attend_tile(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t n, int64_t ctx,
+                 int64_t kvh, int64_t row0, T* out, const Geometry& g, std::vector<Vec>& scratch,
+                 std::vector<float>& kv_buffer) {
+  const int64_t group = g.num_heads / g.num_kv_heads, head_dim = g.head_dim;
+  const int64_t rows = std::min<int64_t>(kRows, n * group - row0);
+  Vec* qt = scratch.data();                  // [head_dim][kVecs]
+  Vec* ot = qt + head_dim * kVecs;           // [head_dim][kVecs]
+  Vec* s = ot + head_dim * kVecs;            // [step keys][kVecs]
+  Vec m[kVecs], l[kVecs], alpha[kVecs], row_pos[kVecs];
+  float* qt_f = reinterpret_cast<float*>(qt);
+  float* pos_f = reinterpret_cast<float*>(row_pos);
+  for (int64_t r = 0; r < kRows; ++r) {
+    const int64_t token = (row0 + std::min(r, rows - 1)) / group, head = kvh * group + (row0 + r) % group;
+    pos_f[r] = static_cast<float>(ctx - n + token);
+    const T* qr = q + (token * g.num_heads + head) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) qt_f[d * kRows + r] = r < rows ? widen(qr[d]) * g.scale : 0.f;
+  }
+  std::fill(ot, ot + head_dim * kVecs, Vec{});
+  for (int v = 0; v < kVecs; ++v) m[v] = splat(kMasked), l[v] = Vec{};
+
+  const int64_t first_pos = ctx - n + row0 / group, last_pos = ctx - n + (row0 + rows - 1) / group;
+  const int64_t step_blocks = std::max<int64_t>(1, kStepKeys / g.block_size);
+  KeyRun key_runs[kMaxRuns], value_runs[kMaxRuns];
+  for (int64_t b = 0, t0 = 0; t0 <= last_pos; t0 += step_blocks * g.block_size) {
+    // One step: up to step_blocks blocks of keys, scored into s, then one online-softmax update and one pass of V.
+    int num_runs = 0;
+    int64_t count = 0;
+    for (; num_runs < step_blocks && t0 + count <= last_pos; ++num_runs, ++b) {
+      const int64_t run_count = std::min(g.block_size, last_pos + 1 - t0 - count);
+      const int64_t offset = table[b] * g.block_size * g.row_size + kvh * head_dim;
+      float* k_buffer = kv_buffer.data() + count * head_dim;
+      float* v_buffer = k_buffer + step_blocks * g.block_size * head_dim;
+      key_runs[num_runs] = block_rows(k_cache + offset, run_count, head_dim, g.row_size, k_buffer);
+      value_runs[num_runs] = block_rows(v_cache + offset, run_count, head_dim, g.row_size, v_buffer);
+      const KeyRun& keys = key_runs[num_runs];
+      Vec* sr = s + count * kVecs;
+      int64_t j = 0;
+      for (; j + kKeyTile <= run_count; j += kKeyTile)
+        score_tile<kKeyTile>(qt, keys.rows + j * keys.stride, keys.stride, head_dim, sr + j * kVecs);
+      for (; j < run_count; ++j) score_tile<1>(qt, keys.rows + j * keys.stride, keys.stride, head_dim, sr + j * kVecs);
+      count += run_count;
+    }
+    if (t0 + count - 1 > first_pos)  // the diagonal: a key after a row's own position is masked
+      for (int64_t j = 0; j < count; ++j)
+        for (int v = 0; v < kVecs; ++v)
+          s[j * kVecs + v] = splat(static_cast<float>(t0 + j)) > row_pos[v] ? splat(kMasked) : s[j * kVecs + v];
+    for (int v = 0; v < kVecs; ++v) {
+      Vec step_max = m[v];
+      for (int64_t j = 0; j < count; ++j) step_max = vmax(step_max, s[j * kVecs + v]);
+      alpha[v] = exp_nonpositive(m[v] - step_max);
+      Vec sum = Vec{};
+      for (int64_t j = 0; j < count; ++j) {
+        const Vec p = exp_nonpositive(s[j * kVecs + v] - step_max);
+        s[j * kVecs + v] = p;
+        sum += p;
+      }
+      l[v] = l[v] * alpha[v] + sum;
+      m[v] = step_max;
+    }
+    int64_t d0 = 0;
+    for (; d0 + kDimTile <= head_dim; d0 += kDimTile) value_tile<kDimTile>(ot, alpha, s, value_runs, num_runs, d0);
+    for (; d0 < head_dim; ++d0) value_tile<1>(ot, alpha, s, value_runs, num_runs, d0);
+  }
+
+  const float* ot_f = reinterpret_cast<const float*>(ot);
+  const float* l_f = reinterpret_cast<const float*>(l);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t token = (row0 + r) / group, head = kvh * group + (row0 + r) % group;
+    T* o = out + (token * g.num_heads + head) * head_dim;
+    const float inv = 1.f / l_f[r];
+    for (int64_t d = 0; d < head_dim; ++d) o[d] = T(ot_f[d * kRows + r] * inv);
+  }
+}
+
+template <typename T>
+void prefill_attention_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                            const int64_t* context_lens, const int64_t* query_starts, int64_t first_seq,
+                            int64_t num_seqs, T* out, const Geometry& g) {
+  const int64_t group = g.num_heads / g.num_kv_heads;
+  // Work items (seq, kv head, tile), the costliest (last) tiles of each chunk first for an even split.
+  struct Item { int64_t seq, kvh, row0; };
+  std::vector<Item> items;
+  for (int64_t seq = first_seq; seq < num_seqs; ++seq) {
+    const int64_t rows = (query_starts[seq + 1] - query_starts[seq]) * group;
+    for (int64_t row0 = (rows - 1) / kRows * kRows; row0 >= 0; row0 -= kRows)
+      for (int64_t kvh = 0; kvh < g.num_kv_heads; ++kvh) items.push_back({seq, kvh, row0});
+  }
+  const int64_t num_items = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items)))
+  {
+    const int64_t step_keys = std::max<int64_t>(1, kStepKeys / g.block_size) * g.block_size;
+    std::vector<Vec> scratch((2 * g.head_dim + step_keys) * kVecs);
+    std::vector<float> kv_buffer(2 * step_keys * g.head_dim);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_items; ++i) {
+      const Item& it = items[i];
+      const int64_t start = query_starts[it.seq];
+      attend_tile(q + start * g.num_heads * g.head_dim, k_cache, v_cache, block_tables + it.seq * g.max_blocks,
+                  query_starts[it.seq + 1] - start, context_lens[it.seq], it.kvh, it.row0,
+                  out + start * g.num_heads * g.head_dim, g, scratch, kv_buffer);
+    }
+  }
+}
+
+}  // namespace
+
+// q, out: [T, num_heads, head_dim] for the whole step; caches: [num_blocks, block_size, num_kv_heads, head_dim];
+// block_tables [S, max_blocks], context_lens [S], query_starts [S+1]: int64. Fills the rows of sequences
+// first_seq..S-1, each chunk's queries being the last positions of its context_lens[s] keys.
+void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                       const torch::Tensor& query_starts, int64_t first_seq, torch::Tensor& out, double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "prefill_attention runs on CPU tensors");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "prefill_attention needs contiguous q, out and caches");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be [T, H, D] and caches [blocks, block_size, KVH, D]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+                  query_starts.scalar_type() == at::kLong,
+              "block_tables, context_lens and query_starts must be int64");
+  auto tables = block_tables.contiguous();
+  auto lens = context_lens.contiguous();
+  auto starts = query_starts.contiguous();
+  const int64_t num_seqs = lens.numel();
+  TORCH_CHECK(tables.size(0) == num_seqs && starts.numel() == num_seqs + 1, "one block table, length and start per sequence");
+  TORCH_CHECK(0 <= first_seq && first_seq <= num_seqs, "first_seq out of range");
+  const int64_t num_heads = q.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  const int64_t* s = starts.data_ptr<int64_t>();
+  const int64_t* c = lens.data_ptr<int64_t>();
+  TORCH_CHECK(s[num_seqs] <= q.size(0), "query_starts exceed q");
+  for (int64_t i = first_seq; i < num_seqs; ++i) {
+    TORCH_CHECK(s[i] <= s[i + 1] && s[i + 1] - s[i] <= c[i], "a chunk is longer than its context");
+    TORCH_CHECK(c[i] <= tables.size(1) * k_cache.size(1), "a context length exceeds its block table");
+  }
+  const Geometry g{num_heads, num_kv_heads, q.size(2), k_cache.size(1), tables.size(1), num_kv_heads * q.size(2),
+                   static_cast<float>(scale)};
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "prefill_attention", [&] {
+    prefill_attention_impl(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                           tables.data_ptr<int64_t>(), c, s, first_seq, num_seqs, out.data_ptr<scalar_t>(), g);
+  });
+}
