@@ -5,6 +5,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "bfloat16.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -13,13 +15,7 @@
 
 namespace {
 
-inline float widen(float x) { return x; }
-inline float widen(at::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using loom::widen;
 
 // x rounded to nearest even at bfloat16's precision (the high 16 bits of a float32), as the bits to store.
 inline uint32_t bf16_bits(float x) {

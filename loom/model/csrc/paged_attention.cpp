@@ -4,6 +4,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "bfloat16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -11,8 +13,7 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+using loom::widen;
 
 // One token's K or V row (all KV heads) as float32: float rows are read in place, bfloat16 rows widened into `buffer`.
 template <typename T>
@@ -20,7 +21,7 @@ inline const float* load_row(const T* row, float* buffer, int64_t size) {
   if constexpr (std::is_same_v<T, float>) {
     return row;
   } else {
-    for (int64_t i = 0; i < size; ++i) buffer[i] = to_float(row[i]);
+    for (int64_t i = 0; i < size; ++i) buffer[i] = widen(row[i]);
     return buffer;
   }
 }
@@ -62,7 +63,7 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
       const int64_t len = context_lens[seq];
       const int64_t* table = block_tables + seq * max_blocks;
       const T* q_seq = q + seq * num_heads * head_dim;
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = to_float(q_seq[i]) * scale;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = widen(q_seq[i]) * scale;
       scores.resize(num_heads * len);
 
       for_each_row(k_cache, table, len, block_size, row_size, row.data(), [&](int64_t t, const float* keys) {

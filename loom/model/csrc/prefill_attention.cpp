@@ -11,6 +11,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "bfloat16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -55,13 +57,7 @@ inline Vec exp_nonpositive(Vec x) {
   return x < -87.f ? splat(0.f) : result;
 }
 
-inline float widen(float x) { return x; }
-inline float widen(at::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using loom::widen;
 
 // A run of keys (one cache block's) as float32 rows: `stride` floats apart.
 struct KeyRun {
