@@ -7,10 +7,12 @@ packed linear), its loader returns None and callers fall back to torch ops.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -35,6 +37,26 @@ def _build_dir() -> Path:
     return default_cache_dir() / "kernels" / key
 
 
+@contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """One builder per build directory, by an OS file lock that dies with its process.
+
+    torch marks a build in progress with a `lock` file and makes every other loader wait, forever, until it is gone;
+    a build killed midway (Ctrl-C on a first `loom serve`) leaves it behind and every later start hangs. Under this
+    lock no other Loom process is building, so a `lock` file found here is such a leftover and is removed.
+    """
+    with open(build_dir / "loom.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            leftover = build_dir / "lock"
+            if leftover.exists():
+                log.warning("removing %s, left by a build that did not finish", leftover)
+                leftover.unlink()
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _load(name: str, sources: list[str], verbose: bool) -> ModuleType | None:
     """Compile csrc/`sources` as module `name` (or find it built), or None with a warning if it cannot be built."""
     from torch.utils import cpp_extension
@@ -42,14 +64,15 @@ def _load(name: str, sources: list[str], verbose: bool) -> ModuleType | None:
     build_dir = _build_dir() / name
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(
-            name=name,
-            sources=[str(_SOURCES / source) for source in sources],
-            extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=verbose,
-        )
+        with _build_lock(build_dir):
+            return cpp_extension.load(
+                name=name,
+                sources=[str(_SOURCES / source) for source in sources],
+                extra_cflags=_FLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=verbose,
+            )
     except (RuntimeError, OSError, ImportError) as exc:  # no compiler, no ninja, a failed build
         log.warning("C++ kernel %s unavailable (%s); using torch ops instead", name, exc)
         return None
