@@ -117,3 +117,5 @@ def test_prefill_kernel_rejects_bad_chunks(kernel):
         kernel.prefill_attention(q, cache, cache, tables, torch.tensor([3]), torch.tensor([0, 4]), 0, q.clone(), 1.0)
     with pytest.raises(RuntimeError, match="exceeds its block table"):
         kernel.prefill_attention(q, cache, cache, tables, torch.tensor([5]), torch.tensor([0, 4]), 0, q.clone(), 1.0)
+    with pytest.raises(RuntimeError, match="at least one query token"):
+        kernel.prefill_attention(q, cache, cache, tables, torch.tensor([3]), torch.tensor([2, 2]), 0, q.clone(), 1.0)

@@ -14,7 +14,6 @@
 #include "bfloat16.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -253,7 +252,8 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, con
   auto lens = context_lens.contiguous();
   auto starts = query_starts.contiguous();
   const int64_t num_seqs = lens.numel();
-  TORCH_CHECK(tables.size(0) == num_seqs && starts.numel() == num_seqs + 1, "one block table, length and start per sequence");
+  TORCH_CHECK(tables.size(0) == num_seqs && starts.numel() == num_seqs + 1,
+              "one block table, length and start per sequence");
   TORCH_CHECK(0 <= first_seq && first_seq <= num_seqs, "first_seq out of range");
   const int64_t num_heads = q.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
@@ -261,7 +261,8 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, con
   const int64_t* c = lens.data_ptr<int64_t>();
   TORCH_CHECK(s[num_seqs] <= q.size(0), "query_starts exceed q");
   for (int64_t i = first_seq; i < num_seqs; ++i) {
-    TORCH_CHECK(s[i] <= s[i + 1] && s[i + 1] - s[i] <= c[i], "a chunk is longer than its context");
+    TORCH_CHECK(s[i] < s[i + 1], "every chunk needs at least one query token");
+    TORCH_CHECK(s[i + 1] - s[i] <= c[i], "a chunk is longer than its context");
     TORCH_CHECK(c[i] <= tables.size(1) * k_cache.size(1), "a context length exceeds its block table");
   }
   const Geometry g{num_heads, num_kv_heads, q.size(2), k_cache.size(1), tables.size(1), num_kv_heads * q.size(2),
