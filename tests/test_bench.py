@@ -134,3 +134,13 @@ def test_perf_figures_on_a_tiny_model(tiny_llama):
     paced = prefill_interference(engine, budget=16, long_prefill_chunk_tokens=4, decoding=3, context=8, long_prompt=60)
     assert paced["prefill_steps"] >= 15 and paced["itl_p99_ratio"] > 0  # at most max(4, 3 decoding) tokens a step
     assert not engine.has_unfinished_requests() and engine.pool.num_free_blocks == engine.pool.num_usable_blocks
+
+
+def test_offline_run_holds_itself_to_its_own_matmul_peak(tiny_llama_dir, capsys):
+    from loom.cli import main
+
+    assert main(["bench", "offline", "--model", str(tiny_llama_dir), "--workload", "article",
+                 "--dtypes", "float32", "--policies", "continuous", "--kv-cache-memory", "0.05"]) == 0
+    (line,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]  # one dtype, one policy
+    assert line["system"] == "loom-continuous" and line["matmul_peak_gflops"] > 0
+    assert line["fraction_of_peak"] == round(line["model_gflops"] / line["matmul_peak_gflops"], 3)

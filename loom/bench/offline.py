@@ -102,25 +102,33 @@ def _hf_peer(args, loaded, requests: list[BenchRequest], max_num_seqs: int, engi
 
 def main(args: argparse.Namespace) -> int:
     loaded = load_model(args.model)
-    workloads = {
-        "article": (article_workload(), 3),
-        "mixed": (mixed_workload(loaded.tokenizer, args.num_requests, seed=args.seed), args.max_num_seqs),
-        "shared-prefix": (shared_prefix_workload(loaded.tokenizer, args.num_requests, seed=args.seed),
-                          args.max_num_seqs),
+    # Built only when asked for: the shared-prefix workload needs a chat template that a model may not have.
+    build_workload = {
+        "article": lambda: (article_workload(), 3),
+        "mixed": lambda: (mixed_workload(loaded.tokenizer, args.num_requests, seed=args.seed), args.max_num_seqs),
+        "shared-prefix": lambda: (shared_prefix_workload(loaded.tokenizer, args.num_requests, seed=args.seed),
+                                  args.max_num_seqs),
     }
     names = ["article", "mixed"] if args.workload == "all" else [args.workload]
+    workloads = {name: build_workload[name]() for name in names}
     plot_dir = Path(args.plot) if args.plot else None
     ok = True
+    from loom.bench.perf import matmul_peak  # not at the top: perf imports this module
+
     for dtype in args.dtypes.split(","):
         engine = LLMEngine(engine_config(args, dtype), loaded)
+        # The roofline each run is held to: the best matmul FLOP/s on the model's own shapes, in this process.
+        peak = matmul_peak(engine.runner.model)["peak_gflops"]
         for name in names:
             requests, seqs = workloads[name]
             results, tokens, traces = {}, {}, {}  # traces: policy -> StepTracer
-            base = {"workload": name, "dtype": dtype, "requests": len(requests), "max_num_seqs": seqs}
+            base = {"workload": name, "dtype": dtype, "requests": len(requests), "max_num_seqs": seqs,
+                    "matmul_peak_gflops": peak}
             for policy in args.policies.split(","):
                 results[policy], tokens[policy], traces[policy] = run_once(
                     engine, requests, policy, seqs, args.max_num_batched_tokens)
-                emit({**base, **results[policy]})
+                emit({**base, **results[policy],
+                      "fraction_of_peak": round(results[policy]["model_gflops"] / peak, 3)})
                 if args.trace:
                     traces[policy].save_chrome_trace(Path(args.trace) / f"{name}-{dtype}-{policy}.json")
             if {"static", "continuous"} <= set(results):
