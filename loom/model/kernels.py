@@ -45,16 +45,13 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
     a build killed midway (Ctrl-C on a first `loom serve`) leaves it behind and every later start hangs. Under this
     lock no other Loom process is building, so a `lock` file found here is such a leftover and is removed.
     """
-    with open(build_dir / "loom.lock", "w") as handle:
+    with open(build_dir / "loom.lock", "w") as handle:  # closing it releases the lock
         fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            leftover = build_dir / "lock"
-            if leftover.exists():
-                log.warning("removing %s, left by a build that did not finish", leftover)
-                leftover.unlink()
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        leftover = build_dir / "lock"
+        if leftover.exists():
+            log.warning("removing %s, left by a build that did not finish", leftover)
+            leftover.unlink()
+        yield
 
 
 def _load(name: str, sources: list[str], verbose: bool) -> ModuleType | None:
