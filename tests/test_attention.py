@@ -29,18 +29,19 @@ def obvious_decode(q, k_cache, v_cache, tables, lens, scale):
 @pytest.mark.parametrize(
     "dtype,heads,kv_heads,head_dim,block_size",
     [
-        (torch.float32, 9, 3, 64, 16),  # SmolLM2's shape
-        (torch.float32, 4, 4, 128, 8),  # no GQA, the other compiled head size
-        (torch.float32, 6, 2, 24, 1),  # a head size read at run time, one token per block
-        (torch.bfloat16, 9, 3, 64, 16),
+        (torch.float32, 9, 3, 64, 16),  # SmolLM2's shape: rows read in place
+        (torch.float32, 4, 4, 128, 8),  # no GQA
+        (torch.float32, 6, 2, 30, 1),  # a head size of part vectors (rows copied, padded), one token per block
+        (torch.bfloat16, 9, 3, 64, 16),  # rows widened
+        (torch.bfloat16, 6, 2, 30, 5),
     ],
 )
 def test_kernel_matches_obvious_attention(kernel, dtype, heads, kv_heads, head_dim, block_size):
     gen = torch.Generator().manual_seed(0)
-    num_blocks, seqs = 1000, 7
+    num_blocks, seqs = 1000, 9
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    lens = torch.tensor([1, 2, block_size, block_size + 1, 37, 90, 5])
+    lens = torch.tensor([1, 2, block_size, block_size + 1, 37, 90, 5, 8, 17])  # whole and part 8-token groups
     max_blocks = int(-(-lens.max() // block_size)) + 2  # tables padded past each context, as the engine pads them
     tables = torch.randperm(num_blocks - 1, generator=gen)[: seqs * max_blocks].view(seqs, max_blocks) + 1
     q = torch.randn(seqs, heads, head_dim, generator=gen).to(dtype)
@@ -49,6 +50,10 @@ def test_kernel_matches_obvious_attention(kernel, dtype, heads, kv_heads, head_d
     expected = obvious_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    # Few sequences: the kernel splits each by KV head so that every thread has work.
+    few = torch.full_like(q[4:6], float("nan"))
+    kernel.decode_attention(q[4:6].contiguous(), k_cache, v_cache, tables[4:6], lens[4:6], few, head_dim**-0.5)
+    torch.testing.assert_close(few.float(), expected[4:6], atol=tol, rtol=tol)
 
 
 def test_kernel_rejects_bad_lengths(kernel):

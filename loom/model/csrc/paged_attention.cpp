@@ -1,105 +1,233 @@
 // Decode attention straight from the paged KV cache: one query token per sequence, every sequence of the step in
-// one call. Each (sequence, KV head) reads its keys once and its values once, block by block through its block
-// table, for all query heads of its GQA group; nothing is gathered into a temporary. Math in float32.
+// one call. A work item is a sequence (or, with few sequences, one KV head of one): its keys and values are read
+// once each, through the block table, row after row in token order, for all query heads. Each KV head's part of a
+// row is loaded into registers once for the query heads of its GQA group, bfloat16 widened as it is loaded; nothing
+// is gathered into a temporary. Scores: each head's dot products of eight tokens are summed across lanes together
+// (one transpose, vec.h) instead of one horizontal sum per token and head. Math in float32.
+//
+// Tried and slower here: computing eight rows at a time straight from the cache (the interleaved reads lost the
+// hardware prefetchers: ~1.5x slower from memory), and widening a sequence's rows into a buffer first (its reads
+// then had no compute to hide behind).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "bfloat16.h"
+#include "vec.h"
 
 #include <algorithm>
-#include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
+using loom::exp_nonpositive;
+using loom::kLanes;
+using loom::kMasked;
+using loom::load;
+using loom::splat;
+using loom::Vec;
+using loom::vmax;
 using loom::widen;
 
-// One token's K or V row (all KV heads) as float32: float rows are read in place, bfloat16 rows widened into `buffer`.
-template <typename T>
-inline const float* load_row(const T* row, float* buffer, int64_t size) {
-  if constexpr (std::is_same_v<T, float>) {
-    return row;
-  } else {
-    for (int64_t i = 0; i < size; ++i) buffer[i] = widen(row[i]);
-    return buffer;
-  }
-}
+struct DecodeGeometry {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, row_size;
+  int64_t padded_dim;  // head_dim rounded up to whole vectors
+  float scale;
+};
 
-// Calls visit(t, row) for tokens t = 0..len-1 of one sequence, row = its K or V row (all KV heads) as float32.
-// Walks the block table block by block: no division per token, contiguous rows within a block. The next block
-// lies anywhere in the cache, where the hardware prefetcher cannot guess it, so while row j of this block is used
-// row j of the next one is prefetched (64 x 512 tokens: 5.8 -> 3.5-4.1 ms per layer on the development machine).
-template <typename T, typename Visit>
-inline void for_each_row(const T* cache, const int64_t* table, int64_t len, int64_t block_size, int64_t row_size,
-                         float* buffer, Visit&& visit) {
-  constexpr int64_t kLineElems = 64 / sizeof(T);
-  for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
-    const T* block = cache + table[b] * block_size * row_size;
-    const T* next = t0 + block_size < len ? cache + table[b + 1] * block_size * row_size : nullptr;
-    const int64_t n = std::min(block_size, len - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      if (next != nullptr)
-        for (int64_t e = 0; e < row_size; e += kLineElems) __builtin_prefetch(next + j * row_size + e);
-      visit(t0 + j, load_row(block + j * row_size, buffer, row_size));
+inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+// The KV heads [first, last) of one sequence: a decode work item.
+struct HeadRange {
+  int64_t first, last;
+  int64_t count() const { return last - first; }
+};
+
+// Walks one sequence's K or V rows (the part of each token's row that holds the heads of a HeadRange) in token
+// order, the order they lie in within a block, which the hardware prefetchers follow. The next block lies anywhere
+// in the cache, so while row j of a block is read, row j of the next block is prefetched. R == T: rows are read in
+// place (heads head_dim apart); R == float for a head size of part vectors: rows are copied, widened, into the
+// caller's buffer, each head's part zero-padded to padded_dim.
+template <typename T, typename R>
+class RowWalker {
+ public:
+  RowWalker(const T* cache, const int64_t* table, int64_t len, HeadRange heads, const DecodeGeometry& g)
+      : cache_(cache + heads.first * g.head_dim), table_(table), len_(len), heads_(heads.count()), g_(g) {}
+
+  const R* next(float* buffer) {
+    const int64_t block_elems = g_.block_size * g_.row_size;
+    const T* row = cache_ + table_[block_] * block_elems + offset_ * g_.row_size;
+    if ((block_ + 1) * g_.block_size < len_) {
+      const T* ahead = cache_ + table_[block_ + 1] * block_elems + offset_ * g_.row_size;
+      const int64_t bytes = heads_ * g_.head_dim * static_cast<int64_t>(sizeof(T));
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(ahead) + b);
     }
-  }
-}
-
-// HEAD_DIM > 0 fixes the head size at compile time so the dot products unroll and vectorise; 0 reads it at run time.
-template <typename T, int64_t HEAD_DIM>
-void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
-                           const int64_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads,
-                           int64_t num_kv_heads, int64_t runtime_head_dim, int64_t block_size, int64_t max_blocks,
-                           float scale) {
-  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t row_size = num_kv_heads * head_dim;  // cache layout [block, offset, kv_head, dim]: one token's row
-  // One sequence per work item: each token's K (then V) row, all KV heads, is read once, contiguously.
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim), scores, row(row_size);
-    std::vector<float> inv_sum(num_heads);
-    for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t len = context_lens[seq];
-      const int64_t* table = block_tables + seq * max_blocks;
-      const T* q_seq = q + seq * num_heads * head_dim;
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = widen(q_seq[i]) * scale;
-      scores.resize(num_heads * len);
-
-      for_each_row(k_cache, table, len, block_size, row_size, row.data(), [&](int64_t t, const float* keys) {
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const float* qh = qf.data() + h * head_dim;
-          const float* key = keys + (h / group) * head_dim;
-          float s = 0.f;
-          for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * key[d];
-          scores[h * len + t] = s;
-        }
-      });
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* sh = scores.data() + h * len;
-        const float m = *std::max_element(sh, sh + len);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          sh[t] = std::exp(sh[t] - m);
-          sum += sh[t];
-        }
-        inv_sum[h] = 1.f / sum;
+    if (++offset_ == g_.block_size) offset_ = 0, ++block_;
+    if constexpr (std::is_same_v<R, T>) {
+      return row;
+    } else {
+      for (int64_t h = 0; h < heads_; ++h) {
+        for (int64_t d = 0; d < g_.head_dim; ++d) buffer[h * g_.padded_dim + d] = widen(row[h * g_.head_dim + d]);
+        std::fill(buffer + h * g_.padded_dim + g_.head_dim, buffer + (h + 1) * g_.padded_dim, 0.f);
       }
-
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_row(v_cache, table, len, block_size, row_size, row.data(), [&](int64_t t, const float* values) {
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const float p = scores[h * len + t];
-          const float* value = values + (h / group) * head_dim;
-          float* ah = acc.data() + h * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * value[d];
-        }
-      });
-      T* out_seq = out + seq * num_heads * head_dim;
-      for (int64_t h = 0; h < num_heads; ++h)
-        for (int64_t d = 0; d < head_dim; ++d) out_seq[h * head_dim + d] = T(acc[h * head_dim + d] * inv_sum[h]);
+      return buffer;
     }
-  });
+  }
+
+ private:
+  const T* cache_;
+  const int64_t* table_;
+  int64_t len_, heads_;
+  const DecodeGeometry& g_;
+  int64_t block_ = 0, offset_ = 0;
+};
+
+constexpr int64_t kMaxHeadVecs = 32;  // head sizes up to 256
+
+// Per-thread scratch, sized for a whole sequence at the step's longest context.
+struct DecodeScratch {
+  std::vector<Vec> q, acc, dots;  // [head][vectors], [head][vectors], [head][kLanes tokens]
+  std::vector<float> scores;      // [head][len rounded up to kLanes]
+  std::vector<float> inv_sum;     // [head]: 1 / the head's softmax denominator
+  std::vector<float> row;         // a copied row (head sizes of part vectors)
+  DecodeScratch(const DecodeGeometry& g, int64_t max_len) {
+    const int64_t vecs = g.padded_dim / kLanes;
+    q.resize(g.num_heads * vecs), acc.resize(g.num_heads * vecs), dots.resize(g.num_heads * kLanes);
+    scores.resize(g.num_heads * round_up(max_len, kLanes)), inv_sum.resize(g.num_heads);
+    row.resize(g.num_kv_heads * g.padded_dim);
+  }
+};
+
+// Attention of the query heads of one sequence whose KV heads are in `heads`, rows of type R (see RowWalker).
+// Scores token by token: a KV head's part of the row is loaded into registers once (bfloat16 widened as loaded)
+// for the query heads of its group, and each head's dot products of eight tokens are summed across lanes together
+// (one transpose instead of eight horizontal sums). Then the softmax, then values token by token, again loaded
+// once per group. VECS > 0 fixes the vectors per head at compile time, so their loops unroll into registers.
+template <typename T, typename R, int64_t VECS>
+void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,
+                   HeadRange heads, T* out, const DecodeGeometry& g, DecodeScratch& scratch) {
+  const int64_t group = g.num_heads / g.num_kv_heads, num_q = heads.count() * group;
+  const int64_t vecs = VECS > 0 ? VECS : g.padded_dim / kLanes;
+  const int64_t padded_len = round_up(len, kLanes);
+  const int64_t head_stride = std::is_same_v<R, T> ? g.head_dim : g.padded_dim;  // between KV heads in a row
+  Vec* qv = scratch.q.data();
+  Vec* acc = scratch.acc.data();
+  Vec* dots = scratch.dots.data();
+  float* scores = scratch.scores.data();  // local query head h's scores at scores[h * padded_len ...]
+  float* inv_sum = scratch.inv_sum.data();
+  const T* q_first = q + heads.first * group * g.head_dim;
+  for (int64_t h = 0; h < num_q; ++h) {
+    float* qf = reinterpret_cast<float*>(qv + h * vecs);
+    for (int64_t d = 0; d < g.padded_dim; ++d)
+      qf[d] = d < g.head_dim ? widen(q_first[h * g.head_dim + d]) * g.scale : 0.f;
+  }
+
+  RowWalker<T, R> keys(k_cache, table, len, heads, g);
+  Vec part[kMaxHeadVecs];
+  for (int64_t t0 = 0; t0 < padded_len; t0 += kLanes) {
+    for (int t = 0; t < kLanes; ++t) {
+      if (t0 + t >= len) {  // past the context (masked below)
+        for (int64_t h = 0; h < num_q; ++h) dots[h * kLanes + t] = Vec{};
+        continue;
+      }
+      const R* row = keys.next(scratch.row.data());
+      for (int64_t kv = 0; kv < heads.count(); ++kv) {
+#pragma GCC unroll 16
+        for (int64_t v = 0; v < vecs; ++v) part[v] = load(row + kv * head_stride + v * kLanes);
+        for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+          const Vec* qh = qv + h * vecs;
+          Vec even = Vec{}, odd = Vec{};
+#pragma GCC unroll 16
+          for (int64_t v = 0; v < vecs; ++v) (v % 2 ? odd : even) += qh[v] * part[v];
+          dots[h * kLanes + t] = even + odd;
+        }
+      }
+    }
+    for (int64_t h = 0; h < num_q; ++h) {
+      const Vec s = loom::sum_lanes_of_eight(dots + h * kLanes);
+      std::memcpy(scores + h * padded_len + t0, &s, sizeof s);
+    }
+  }
+
+  const Vec lane = Vec{0, 1, 2, 3, 4, 5, 6, 7};
+  for (int64_t h = 0; h < num_q; ++h) {
+    float* s = scores + h * padded_len;
+    Vec m = splat(kMasked);
+    auto in_context = [&](int64_t t0) { return lane + static_cast<float>(t0) < static_cast<float>(len); };
+    for (int64_t t0 = 0; t0 < padded_len; t0 += kLanes)  // positions past the context are masked
+      m = vmax(m, in_context(t0) ? load(s + t0) : splat(kMasked));
+    const Vec max = splat(loom::max_lanes(m));
+    Vec sum = Vec{};
+    for (int64_t t0 = 0; t0 < padded_len; t0 += kLanes) {
+      const Vec p = in_context(t0) ? exp_nonpositive(load(s + t0) - max) : Vec{};
+      std::memcpy(s + t0, &p, sizeof p);
+      sum += p;
+    }
+    inv_sum[h] = 1.f / loom::sum_lanes(sum);
+  }
+
+  RowWalker<T, R> values(v_cache, table, len, heads, g);
+  std::fill(acc, acc + num_q * vecs, Vec{});
+  for (int64_t t = 0; t < len; ++t) {
+    const R* row = values.next(scratch.row.data());
+    for (int64_t kv = 0; kv < heads.count(); ++kv) {
+#pragma GCC unroll 16
+      for (int64_t v = 0; v < vecs; ++v) part[v] = load(row + kv * head_stride + v * kLanes);
+      for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+        const Vec p = splat(scores[h * padded_len + t]);
+        Vec* ah = acc + h * vecs;
+#pragma GCC unroll 16
+        for (int64_t v = 0; v < vecs; ++v) ah[v] += p * part[v];
+      }
+    }
+  }
+  T* out_first = out + heads.first * group * g.head_dim;
+  for (int64_t h = 0; h < num_q; ++h) {
+    const float* a = reinterpret_cast<const float*>(acc + h * vecs);
+    for (int64_t d = 0; d < g.head_dim; ++d) out_first[h * g.head_dim + d] = T(a[d] * inv_sum[h]);
+  }
+}
+
+template <typename T>
+void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                           const int64_t* context_lens, T* out, int64_t num_seqs, const DecodeGeometry& g) {
+  // A work item is a whole sequence, so that each token's row (all KV heads) is read in one piece; with fewer
+  // sequences than a few per thread, one KV head of a sequence, so that every thread has work. Longest contexts
+  // first for an even split; handed out one at a time.
+  const int64_t threads = at::get_num_threads();
+  const int64_t split = num_seqs < 4 * threads ? g.num_kv_heads : 1;
+  struct Item {
+    int64_t seq;
+    HeadRange heads;
+  };
+  std::vector<Item> items;
+  items.reserve(num_seqs * split);
+  for (int64_t seq = 0; seq < num_seqs; ++seq)
+    for (int64_t part = 0; part < split; ++part)
+      items.push_back({seq, {part * g.num_kv_heads / split, (part + 1) * g.num_kv_heads / split}});
+  std::stable_sort(items.begin(), items.end(),
+                   [&](const Item& a, const Item& b) { return context_lens[a.seq] > context_lens[b.seq]; });
+  // Rows in place where vec.h can load them (float32, bfloat16) as whole vectors; copied otherwise.
+  auto attend = attend_decode<T, float, 0>;
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    if (g.head_dim == g.padded_dim)
+      attend = g.padded_dim == 8 * kLanes    ? attend_decode<T, T, 8>
+               : g.padded_dim == 16 * kLanes ? attend_decode<T, T, 16>
+                                             : attend_decode<T, T, 0>;
+  }
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t max_len = num_seqs > 0 ? *std::max_element(context_lens, context_lens + num_seqs) : 0;
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(threads, num_items)))
+  {
+    DecodeScratch scratch(g, max_len);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_items; ++i) {
+      const Item& it = items[i];
+      attend(q + it.seq * g.num_heads * g.head_dim, k_cache, v_cache, block_tables + it.seq * g.max_blocks,
+             context_lens[it.seq], it.heads, out + it.seq * g.num_heads * g.head_dim, g, scratch);
+    }
+  }
 }
 
 }  // namespace
@@ -120,21 +248,17 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, cons
   auto lens = context_lens.contiguous();
   const int64_t num_heads = q.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(q.size(2) <= kMaxHeadVecs * kLanes, "head sizes up to ", kMaxHeadVecs * kLanes, " are supported");
   TORCH_CHECK(lens.numel() == q.size(0) && tables.size(0) == q.size(0), "one block table and length per query");
   TORCH_CHECK(lens.numel() == 0 || lens.min().item<int64_t>() >= 1, "every sequence needs at least one key");
   TORCH_CHECK(lens.numel() == 0 || lens.max().item<int64_t>() <= tables.size(1) * k_cache.size(1),
               "a context length exceeds its block table");
+  const int64_t head_dim = q.size(2);
+  const DecodeGeometry g{num_heads, num_kv_heads, head_dim, k_cache.size(1), tables.size(1),
+                         num_kv_heads * head_dim, (head_dim + kLanes - 1) / kLanes * kLanes, static_cast<float>(scale)};
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
-    auto run = [&](auto impl) {
-      impl(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-           tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), q.size(0), num_heads,
-           num_kv_heads, q.size(2), k_cache.size(1), tables.size(1), static_cast<float>(scale));
-    };
-    switch (q.size(2)) {
-      case 64: run(decode_attention_impl<scalar_t, 64>); break;
-      case 128: run(decode_attention_impl<scalar_t, 128>); break;
-      default: run(decode_attention_impl<scalar_t, 0>);
-    }
+    decode_attention_impl(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                          tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), q.size(0), g);
   });
 }
 

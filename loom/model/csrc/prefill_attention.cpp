@@ -6,24 +6,27 @@
 // that head's GQA group, so each key is read once for the whole group. Vectors run along the query rows: Q^T[d][r],
 // scores S^T[key][r], the running max and sum per row, and the output O^T[d][r] are all rows of kRows floats, so
 // the online softmax (max, exp, rescale) is elementwise and both matmuls are register tiles of broadcast-FMAs.
-// Written with GCC/Clang vector extensions, so it compiles to AVX2/AVX-512 on x86 and to NEON on ARM. Bound into
-// the `loom_paged_attention` module by paged_attention.cpp.
+// Written with the vector extensions of vec.h. Bound into the `loom_paged_attention` module by paged_attention.cpp.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "bfloat16.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int kLanes = 8;
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+using loom::exp_nonpositive;
+using loom::kLanes;
+using loom::kMasked;
+using loom::splat;
+using loom::Vec;
+using loom::vmax;
+using loom::widen;
 
 constexpr int kVecs = 3;                 // query rows per tile = kVecs * kLanes (24: 8 tokens of a group of 3)
 constexpr int kRows = kVecs * kLanes;
@@ -31,33 +34,6 @@ constexpr int kKeyTile = 4;              // keys per score register tile: 4 x kV
 constexpr int kDimTile = 4;              // head dims per output register tile
 constexpr int64_t kStepKeys = 64;        // keys per online-softmax step (whole cache blocks, at least one)
 constexpr int kMaxRuns = kStepKeys;      // blocks per step at most (block_size 1)
-// A masked score: finite, since -ffast-math assumes no infinities, and far below exp's range (exp gives 0).
-constexpr float kMasked = -1e30f;
-
-inline Vec splat(float x) { return Vec{} + x; }
-inline Vec vmax(Vec a, Vec b) { return a > b ? a : b; }
-
-// e^x for x <= 0 (scores minus their running max) by Cephes' expf method (x = n ln 2 + f, 2^n e^f with a degree-7
-// polynomial); below -87 (masked keys) exactly 0. The kernel's tests hold it to 1e-5 of torch's softmax.
-inline Vec exp_nonpositive(Vec x) {
-  const Vec clamped = vmax(x, splat(-87.f));
-  const Vec n = __builtin_convertvector(__builtin_convertvector(clamped * 1.44269504f - 0.5f, IVec), Vec);
-  const Vec f = clamped - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln 2, ln 2 in two parts
-  Vec p = splat(1.9875691500e-4f);
-  p = p * f + 1.3981999507e-3f;
-  p = p * f + 8.3334519073e-3f;
-  p = p * f + 4.1665795894e-2f;
-  p = p * f + 1.6666665459e-1f;
-  p = p * f + 5.0000001201e-1f;
-  p = p * f * f + f + 1.f;
-  const IVec scale = (__builtin_convertvector(n, IVec) + 127) << 23;
-  Vec result;
-  std::memcpy(&result, &scale, sizeof result);
-  result *= p;
-  return x < -87.f ? splat(0.f) : result;
-}
-
-using loom::widen;
 
 // A run of keys (one cache block's) as float32 rows: `stride` floats apart.
 struct KeyRun {

@@ -1,0 +1,89 @@
+// Eight float32 lanes as a GCC/Clang vector extension, shared by Loom's attention kernels: it compiles to AVX2 or
+// AVX-512 on x86 and to NEON on ARM, with no intrinsics to port.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace loom {
+
+constexpr int kLanes = 8;
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// A masked score: finite, since -ffast-math assumes no infinities, and far below exp's range (exp gives 0).
+constexpr float kMasked = -1e30f;
+
+inline Vec splat(float x) { return Vec{} + x; }
+inline Vec vmax(Vec a, Vec b) { return a > b ? a : b; }
+
+// kLanes floats from memory with no alignment assumed.
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// kLanes bfloat16s from memory, widened to float32 (exact: a bfloat16 is the high half of a float32).
+inline Vec load(const c10::BFloat16* p) {
+  typedef uint16_t Half __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  typedef uint32_t Wide __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  Half bits;
+  std::memcpy(&bits, p, sizeof bits);
+  const Wide wide = __builtin_convertvector(bits, Wide) << 16;
+  Vec v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
+inline float max_lanes(Vec v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+inline float sum_lanes(Vec v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// {sum of a[0]'s lanes, ..., sum of a[7]'s lanes}: eight horizontal sums in 7 adds and 14 shuffles, as a transpose.
+inline Vec sum_lanes_of_eight(const Vec* a) {
+  auto pairs = [](Vec x, Vec y) {  // {x0+x1, y0+y1, x2+x3, y2+y3, ...}
+    return __builtin_shufflevector(x, y, 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(x, y, 1, 9, 3, 11, 5, 13, 7, 15);
+  };
+  auto quads = [](Vec x, Vec y) {  // from two pairs() results: the four vectors' sums of lanes 0-3, then of 4-7
+    return __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
+  };
+  const Vec low = quads(pairs(a[0], a[1]), pairs(a[2], a[3]));
+  const Vec high = quads(pairs(a[4], a[5]), pairs(a[6], a[7]));
+  return __builtin_shufflevector(low, high, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(low, high, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// e^x for x <= 0 (scores minus their running max) by Cephes' expf method (x = n ln 2 + f, 2^n e^f with a degree-7
+// polynomial); below -87 (masked keys) exactly 0. The kernels' tests hold it to 1e-5 of torch's softmax.
+inline Vec exp_nonpositive(Vec x) {
+  const Vec clamped = vmax(x, splat(-87.f));
+  const Vec n = __builtin_convertvector(__builtin_convertvector(clamped * 1.44269504f - 0.5f, IVec), Vec);
+  const Vec f = clamped - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln 2, ln 2 in two parts
+  Vec p = splat(1.9875691500e-4f);
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  p = p * f * f + f + 1.f;
+  const IVec scale = (__builtin_convertvector(n, IVec) + 127) << 23;
+  Vec result;
+  std::memcpy(&result, &scale, sizeof result);
+  result *= p;
+  return x < -87.f ? splat(0.f) : result;
+}
+
+}  // namespace loom
