@@ -32,6 +32,7 @@ def obvious_decode(q, k_cache, v_cache, tables, lens, scale):
         (torch.float32, 9, 3, 64, 16),  # SmolLM2's shape: rows read in place
         (torch.float32, 4, 4, 128, 8),  # no GQA
         (torch.float32, 6, 2, 30, 1),  # a head size of part vectors (rows copied, padded), one token per block
+        (torch.float32, 4, 2, 32, 4),  # whole vectors, their number read at run time
         (torch.bfloat16, 9, 3, 64, 16),  # rows widened
         (torch.bfloat16, 6, 2, 30, 5),
     ],

@@ -6,7 +6,7 @@
 // (one transpose, vec.h) instead of one horizontal sum per token and head. Math in float32.
 //
 // Tried and slower here: computing eight rows at a time straight from the cache (the interleaved reads lost the
-// hardware prefetchers: ~1.5x slower from memory), and widening a sequence's rows into a buffer first (its reads
+// hardware prefetchers: 1.5-2.5x slower from memory), and widening a sequence's rows into a buffer first (its reads
 // then had no compute to hide behind).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
