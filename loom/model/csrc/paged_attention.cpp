@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include "bfloat16.h"
+#include "paged_geometry.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -25,16 +26,11 @@ using loom::exp_nonpositive;
 using loom::kLanes;
 using loom::kMasked;
 using loom::load;
+using loom::PagedGeometry;
 using loom::splat;
 using loom::Vec;
 using loom::vmax;
 using loom::widen;
-
-struct DecodeGeometry {
-  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, row_size;
-  int64_t padded_dim;  // head_dim rounded up to whole vectors
-  float scale;
-};
 
 inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
@@ -48,11 +44,11 @@ struct HeadRange {
 // order, the order they lie in within a block, which the hardware prefetchers follow. The next block lies anywhere
 // in the cache, so while row j of a block is read, row j of the next block is prefetched. R == T: rows are read in
 // place (heads head_dim apart); R == float for a head size of part vectors: rows are copied, widened, into the
-// caller's buffer, each head's part zero-padded to padded_dim.
+// caller's buffer, each head's part zero-padded to padded_dim().
 template <typename T, typename R>
 class RowWalker {
  public:
-  RowWalker(const T* cache, const int64_t* table, int64_t len, HeadRange heads, const DecodeGeometry& g)
+  RowWalker(const T* cache, const int64_t* table, int64_t len, HeadRange heads, const PagedGeometry& g)
       : cache_(cache + heads.first * g.head_dim), table_(table), len_(len), heads_(heads.count()), g_(g) {}
 
   const R* next(float* buffer) {
@@ -68,8 +64,8 @@ class RowWalker {
       return row;
     } else {
       for (int64_t h = 0; h < heads_; ++h) {
-        for (int64_t d = 0; d < g_.head_dim; ++d) buffer[h * g_.padded_dim + d] = widen(row[h * g_.head_dim + d]);
-        std::fill(buffer + h * g_.padded_dim + g_.head_dim, buffer + (h + 1) * g_.padded_dim, 0.f);
+        for (int64_t d = 0; d < g_.head_dim; ++d) buffer[h * g_.padded_dim() + d] = widen(row[h * g_.head_dim + d]);
+        std::fill(buffer + h * g_.padded_dim() + g_.head_dim, buffer + (h + 1) * g_.padded_dim(), 0.f);
       }
       return buffer;
     }
@@ -79,7 +75,7 @@ class RowWalker {
   const T* cache_;
   const int64_t* table_;
   int64_t len_, heads_;
-  const DecodeGeometry& g_;
+  const PagedGeometry& g_;
   int64_t block_ = 0, offset_ = 0;
 };
 
@@ -91,11 +87,11 @@ struct DecodeScratch {
   std::vector<float> scores;      // [head][len rounded up to kLanes]
   std::vector<float> inv_sum;     // [head]: 1 / the head's softmax denominator
   std::vector<float> row;         // a copied row (head sizes of part vectors)
-  DecodeScratch(const DecodeGeometry& g, int64_t max_len) {
-    const int64_t vecs = g.padded_dim / kLanes;
+  DecodeScratch(const PagedGeometry& g, int64_t max_len) {
+    const int64_t vecs = g.padded_dim() / kLanes;
     q.resize(g.num_heads * vecs), acc.resize(g.num_heads * vecs), dots.resize(g.num_heads * kLanes);
     scores.resize(g.num_heads * round_up(max_len, kLanes)), inv_sum.resize(g.num_heads);
-    row.resize(g.num_kv_heads * g.padded_dim);
+    row.resize(g.num_kv_heads * g.padded_dim());
   }
 };
 
@@ -106,11 +102,11 @@ struct DecodeScratch {
 // once per group. VECS > 0 fixes the vectors per head at compile time, so their loops unroll into registers.
 template <typename T, typename R, int64_t VECS>
 void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,
-                   HeadRange heads, T* out, const DecodeGeometry& g, DecodeScratch& scratch) {
-  const int64_t group = g.num_heads / g.num_kv_heads, num_q = heads.count() * group;
-  const int64_t vecs = VECS > 0 ? VECS : g.padded_dim / kLanes;
+                   HeadRange heads, T* out, const PagedGeometry& g, DecodeScratch& scratch) {
+  const int64_t group = g.group(), num_q = heads.count() * group;
+  const int64_t vecs = VECS > 0 ? VECS : g.padded_dim() / kLanes;
   const int64_t padded_len = round_up(len, kLanes);
-  const int64_t head_stride = std::is_same_v<R, T> ? g.head_dim : g.padded_dim;  // between KV heads in a row
+  const int64_t head_stride = std::is_same_v<R, T> ? g.head_dim : g.padded_dim();  // between KV heads in a row
   Vec* qv = scratch.q.data();
   Vec* acc = scratch.acc.data();
   Vec* dots = scratch.dots.data();
@@ -119,7 +115,7 @@ void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
   const T* q_first = q + heads.first * group * g.head_dim;
   for (int64_t h = 0; h < num_q; ++h) {
     float* qf = reinterpret_cast<float*>(qv + h * vecs);
-    for (int64_t d = 0; d < g.padded_dim; ++d)
+    for (int64_t d = 0; d < g.padded_dim(); ++d)
       qf[d] = d < g.head_dim ? widen(q_first[h * g.head_dim + d]) * g.scale : 0.f;
   }
 
@@ -191,7 +187,8 @@ void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
 
 template <typename T>
 void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
-                           const int64_t* context_lens, T* out, int64_t num_seqs, const DecodeGeometry& g) {
+                           const int64_t* context_lens, T* out, int64_t num_seqs, int64_t max_len,
+                           const PagedGeometry& g) {
   // A work item is a whole sequence, so that each token's row (all KV heads) is read in one piece; with fewer
   // sequences than a few per thread, one KV head of a sequence, so that every thread has work. Longest contexts
   // first for an even split; handed out one at a time.
@@ -211,13 +208,12 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
   // Rows in place where vec.h can load them (float32, bfloat16) as whole vectors; copied otherwise.
   auto attend = attend_decode<T, float, 0>;
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-    if (g.head_dim == g.padded_dim)
-      attend = g.padded_dim == 8 * kLanes    ? attend_decode<T, T, 8>
-               : g.padded_dim == 16 * kLanes ? attend_decode<T, T, 16>
+    if (g.head_dim == g.padded_dim())
+      attend = g.padded_dim() == 8 * kLanes    ? attend_decode<T, T, 8>
+               : g.padded_dim() == 16 * kLanes ? attend_decode<T, T, 16>
                                              : attend_decode<T, T, 0>;
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
-  const int64_t max_len = num_seqs > 0 ? *std::max_element(context_lens, context_lens + num_seqs) : 0;
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(threads, num_items)))
   {
     DecodeScratch scratch(g, max_len);
@@ -237,28 +233,19 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
 void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                       const torch::Tensor& block_tables, const torch::Tensor& context_lens, torch::Tensor& out,
                       double scale) {
-  TORCH_CHECK(q.device().is_cpu(), "decode_attention runs on CPU tensors");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "decode_attention needs contiguous q, out and caches");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be [S, H, D] and caches [blocks, block_size, KVH, D]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(), "dtype mismatch");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
-              "block_tables and context_lens must be int64");
+  const PagedGeometry g = loom::check_paged_inputs("decode_attention", q, k_cache, v_cache, block_tables, context_lens,
+                                                   out, scale);
+  TORCH_CHECK(g.head_dim <= kMaxHeadVecs * kLanes, "head sizes up to ", kMaxHeadVecs * kLanes, " are supported");
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
-  const int64_t num_heads = q.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(q.size(2) <= kMaxHeadVecs * kLanes, "head sizes up to ", kMaxHeadVecs * kLanes, " are supported");
   TORCH_CHECK(lens.numel() == q.size(0) && tables.size(0) == q.size(0), "one block table and length per query");
   TORCH_CHECK(lens.numel() == 0 || lens.min().item<int64_t>() >= 1, "every sequence needs at least one key");
-  TORCH_CHECK(lens.numel() == 0 || lens.max().item<int64_t>() <= tables.size(1) * k_cache.size(1),
-              "a context length exceeds its block table");
-  const int64_t head_dim = q.size(2);
-  const DecodeGeometry g{num_heads, num_kv_heads, head_dim, k_cache.size(1), tables.size(1),
-                         num_kv_heads * head_dim, (head_dim + kLanes - 1) / kLanes * kLanes, static_cast<float>(scale)};
+  const int64_t max_len = lens.numel() == 0 ? 0 : lens.max().item<int64_t>();
+  TORCH_CHECK(max_len <= tables.size(1) * k_cache.size(1), "a context length exceeds its block table");
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
     decode_attention_impl(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                          tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), q.size(0), g);
+                          tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), q.size(0),
+                          max_len, g);
   });
 }
 

@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include "bfloat16.h"
+#include "paged_geometry.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -23,6 +24,7 @@ namespace {
 using loom::exp_nonpositive;
 using loom::kLanes;
 using loom::kMasked;
+using loom::PagedGeometry;
 using loom::splat;
 using loom::Vec;
 using loom::vmax;
@@ -97,17 +99,12 @@ inline void value_tile(Vec* ot, const Vec* alpha, const Vec* p, const KeyRun* ru
     for (int v = 0; v < kVecs; ++v) ot[(d0 + i) * kVecs + v] = acc[i][v];
 }
 
-struct Geometry {
-  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, row_size;
-  float scale;
-};
-
 // One tile: rows [row0, row0 + kRows) of the chunk's (token, group head) rows for KV head kvh.
 template <typename T>
 void attend_tile(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t n, int64_t ctx,
-                 int64_t kvh, int64_t row0, T* out, const Geometry& g, std::vector<Vec>& scratch,
+                 int64_t kvh, int64_t row0, T* out, const PagedGeometry& g, std::vector<Vec>& scratch,
                  std::vector<float>& kv_buffer) {
-  const int64_t group = g.num_heads / g.num_kv_heads, head_dim = g.head_dim;
+  const int64_t group = g.group(), head_dim = g.head_dim;
   const int64_t rows = std::min<int64_t>(kRows, n * group - row0);
   Vec* qt = scratch.data();                  // [head_dim][kVecs]
   Vec* ot = qt + head_dim * kVecs;           // [head_dim][kVecs]
@@ -181,8 +178,8 @@ void attend_tile(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
 template <typename T>
 void prefill_attention_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                             const int64_t* context_lens, const int64_t* query_starts, int64_t first_seq,
-                            int64_t num_seqs, T* out, const Geometry& g) {
-  const int64_t group = g.num_heads / g.num_kv_heads;
+                            int64_t num_seqs, T* out, const PagedGeometry& g) {
+  const int64_t group = g.group();
   // Work items (seq, kv head, tile), the costliest (last) tiles of each chunk first for an even split.
   struct Item { int64_t seq, kvh, row0; };
   std::vector<Item> items;
@@ -216,14 +213,9 @@ void prefill_attention_impl(const T* q, const T* k_cache, const T* v_cache, cons
 void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                        const torch::Tensor& query_starts, int64_t first_seq, torch::Tensor& out, double scale) {
-  TORCH_CHECK(q.device().is_cpu(), "prefill_attention runs on CPU tensors");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "prefill_attention needs contiguous q, out and caches");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be [T, H, D] and caches [blocks, block_size, KVH, D]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(), "dtype mismatch");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
-                  query_starts.scalar_type() == at::kLong,
-              "block_tables, context_lens and query_starts must be int64");
+  const PagedGeometry g = loom::check_paged_inputs("prefill_attention", q, k_cache, v_cache, block_tables, context_lens,
+                                                   out, scale);
+  TORCH_CHECK(query_starts.scalar_type() == at::kLong, "query_starts must be int64");
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   auto starts = query_starts.contiguous();
@@ -231,8 +223,6 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, con
   TORCH_CHECK(tables.size(0) == num_seqs && starts.numel() == num_seqs + 1,
               "one block table, length and start per sequence");
   TORCH_CHECK(0 <= first_seq && first_seq <= num_seqs, "first_seq out of range");
-  const int64_t num_heads = q.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   const int64_t* s = starts.data_ptr<int64_t>();
   const int64_t* c = lens.data_ptr<int64_t>();
   TORCH_CHECK(s[num_seqs] <= q.size(0), "query_starts exceed q");
@@ -241,8 +231,6 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, con
     TORCH_CHECK(s[i + 1] - s[i] <= c[i], "a chunk is longer than its context");
     TORCH_CHECK(c[i] <= tables.size(1) * k_cache.size(1), "a context length exceeds its block table");
   }
-  const Geometry g{num_heads, num_kv_heads, q.size(2), k_cache.size(1), tables.size(1), num_kv_heads * q.size(2),
-                   static_cast<float>(scale)};
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "prefill_attention", [&] {
     prefill_attention_impl(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                            tables.data_ptr<int64_t>(), c, s, first_seq, num_seqs, out.data_ptr<scalar_t>(), g);
