@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loom.model.linear import MatmulBackend, PackedLinear, TorchLinear, make_matmul, pack_panels
+from loom.model.linear import (MatmulBackend, PackedLinear, TorchLinear, make_matmul, pack_panels,
+                               pad_to_panels)
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,23 @@ def test_packed_linear_matches_reference(packed, dtype, rows, in_features, out_f
     assert ours <= tolerance, (ours, torchs)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "out_features"), [(1, 48), (5, 41), (13, 257)])
+def test_bfloat16_results_are_rounded_as_torch_rounds_them(packed, weight_dtype, rows, out_features):
+    """bfloat16 rows in, bfloat16 out: the same bits as the float32 kernel's result (bias included) rounded by torch,
+    so rounding inside the kernel changed nothing but where it happens."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, 96, generator=gen).to(weight_dtype)
+    bias = pad_to_panels(torch.randn(out_features, generator=gen).bfloat16())
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    x[0, :3] = torch.tensor([1e-30, -3e38, 0.0])  # tiny, huge and zero inputs
+    panels = pack_panels(weight)
+    for b in (None, bias):
+        got = packed.kernel.packed_linear(x, panels, out_features, b)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, packed.kernel.packed_linear(x.float(), panels, out_features, b).bfloat16())
+
+
 def test_packed_linear_keeps_leading_dimensions(packed):
     weight = torch.randn(40, 24)
     x = torch.randn(3, 5, 24)
@@ -73,6 +91,8 @@ def test_bfloat16_panels_are_stored_in_the_kernels_column_order():
 def test_packed_linear_rejects_a_wrong_input_width(packed):
     with pytest.raises(RuntimeError, match="features"):
         packed.kernel.packed_linear(torch.randn(2, 5), pack_panels(torch.randn(16, 4)), 16)
+    with pytest.raises(RuntimeError, match="bias"):
+        packed.kernel.packed_linear(torch.randn(2, 4), pack_panels(torch.randn(20, 4)), 20, torch.zeros(20))
 
 
 def test_torch_backend_and_sliced_output_head():

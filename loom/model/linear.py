@@ -55,6 +55,13 @@ class TorchLinear:
         return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
 
 
+def pad_to_panels(bias: torch.Tensor) -> torch.Tensor:
+    """[out] -> float32 [16 * ceil(out / 16)], zero-padded: the bias as the kernel adds it, to whole panels."""
+    padded = torch.zeros(-(-bias.shape[0] // PANEL_COLUMNS) * PANEL_COLUMNS, dtype=torch.float32)
+    padded[: bias.shape[0]] = bias
+    return padded
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] -> [ceil(out / 16), in, 16]: panel p holds output columns 16p..16p+15 (zero-padded), k-major."""
     out_features, in_features = weight.shape
@@ -72,25 +79,23 @@ class PackedLinear:
     """The weight packed once into 16-column panels for the C++ kernel, which computes in float32.
 
     The result comes back in the input's dtype: bfloat16 activations and weights are widened exactly, summed in
-    float32 and rounded once, as torch's bfloat16 matmul does.
+    float32, the bias added, and rounded once, as torch's bfloat16 matmul does; all inside the one kernel call.
     """
 
     panels: torch.Tensor
     in_features: int
     out_features: int
-    bias: torch.Tensor | None
+    bias: torch.Tensor | None  # float32, padded to whole panels (pad_to_panels)
     kernel: ModuleType
 
     @classmethod
     def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernel: ModuleType) -> PackedLinear:
-        return cls(pack_panels(weight), weight.shape[1], weight.shape[0], bias, kernel)
+        padded_bias = None if bias is None else pad_to_panels(bias)
+        return cls(pack_panels(weight), weight.shape[1], weight.shape[0], padded_bias, kernel)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float().contiguous()
-        y = self.kernel.packed_linear(rows, self.panels, self.out_features)
-        if self.bias is not None:
-            y += self.bias
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        y = self.kernel.packed_linear(x.reshape(-1, self.in_features), self.panels, self.out_features, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
 
 
 @dataclass

@@ -1,10 +1,12 @@
-// bfloat16 -> float32, shared by Loom's kernels: a bfloat16 is the high 16 bits of a float32, so widening is exact.
+// bfloat16 <-> float32, shared by Loom's kernels: a bfloat16 is the high 16 bits of a float32, so widening is exact;
+// narrowing rounds to nearest even, as torch does.
 #pragma once
 
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace loom {
 
@@ -14,6 +16,25 @@ inline float widen(c10::BFloat16 x) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+}
+
+// x rounded to nearest even at bfloat16's precision (the high 16 bits of a float32), as the bits to store.
+inline uint32_t bf16_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+}
+
+// x stored as a T: unchanged for float, rounded for bfloat16.
+template <typename T>
+inline T narrow(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    c10::BFloat16 b;
+    b.x = static_cast<uint16_t>(bf16_bits(x));
+    return b;
+  }
 }
 
 }  // namespace loom

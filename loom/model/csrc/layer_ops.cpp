@@ -15,25 +15,8 @@
 
 namespace {
 
+using loom::narrow;
 using loom::widen;
-
-// x rounded to nearest even at bfloat16's precision (the high 16 bits of a float32), as the bits to store.
-inline uint32_t bf16_bits(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-}
-
-template <typename T>
-inline T narrow(float x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else {
-    at::BFloat16 b;
-    b.x = static_cast<uint16_t>(bf16_bits(x));
-    return b;
-  }
-}
 
 // x as torch would store it in T, read back as float32: exact for float, rounded for bfloat16.
 template <typename T>
