@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loom.model.attention import write_kv
 from loom.model.kernels import load_paged_attention
 
 
@@ -125,3 +126,20 @@ def test_prefill_kernel_rejects_bad_chunks(kernel):
         kernel.prefill_attention(q, cache, cache, tables, torch.tensor([5]), torch.tensor([0, 4]), 0, q.clone(), 1.0)
     with pytest.raises(RuntimeError, match="at least one query token"):
         kernel.prefill_attention(q, cache, cache, tables, torch.tensor([3]), torch.tensor([2, 2]), 0, q.clone(), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_write_kv_matches_index_copy(kernel, dtype):
+    """Strided k/v views of a fused qkv row land at their slots exactly as torch's index_copy_ puts them."""
+    blocks, block_size, kv_heads, head_dim, tokens = 6, 4, 2, 8, 5
+    qkv = torch.randn(tokens, (4 + 2 * kv_heads) * head_dim).to(dtype)
+    k = qkv[:, 4 * head_dim : (4 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (4 + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.tensor([3, 17, 0, 23, 9])
+    ours = [torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(2)]
+    torchs = [c.clone() for c in ours]
+    kernel.write_kv(k, v, *ours, slots)
+    write_kv(torchs, k, v, slots)
+    assert torch.equal(ours[0], torchs[0]) and torch.equal(ours[1], torchs[1])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernel.write_kv(k, v, *ours, torch.tensor([0, 1, 2, 3, 24]))

@@ -1,9 +1,10 @@
 """Ragged paged attention: write this step's K/V at their slots, then attend block-diagonal causal.
 
 Three backends share one signature:
-- `PagedKernelAttention` (fastest on CPU): two calls of Loom's C++ kernels per layer, both reading K and V through
-  the block tables in place. One takes every decode token of the step, reading each request's K and V once; the
-  other every prompt chunk, flash-attention style (tiles of query rows, online softmax, scores kept in cache).
+- `PagedKernelAttention` (fastest on CPU): Loom's C++ kernels, one call per layer to store the step's K/V and one or
+  two to attend, reading K and V through the block tables in place. One takes every decode token of the step,
+  reading each request's K and V once; the other every prompt chunk, flash-attention style (tiles of query rows,
+  online softmax, scores kept in cache).
 - `SdpaAttention` (portable): all decode tokens in one batched SDPA over K/V gathered through the block tables
   (a temporary copy per layer); each prefill chunk in one SDPA call.
 - `ReferenceAttention` (obvious): per sequence, gather its context, build the causal mask, softmax by hand.
@@ -69,10 +70,13 @@ class PagedAttention:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: BatchMetadata, scale: float
     ) -> torch.Tensor:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        self.store(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         self.attend(q, k, v, kv_cache, meta, scale, out)
         return out.view(q.shape[0], -1)
+
+    def store(self, kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        write_kv(kv_cache, k, v, slot_mapping)
 
     def attend(self, q, k, v, kv_cache: KVCache, meta: BatchMetadata, scale: float, out: torch.Tensor) -> None:
         raise NotImplementedError
@@ -117,6 +121,11 @@ class PagedKernelAttention(SdpaAttention):
 
     def __init__(self, kernel: ModuleType) -> None:
         self.kernel = kernel
+
+    def store(self, kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if k.device.type != "cpu":
+            return super().store(kv_cache, k, v, slot_mapping)
+        self.kernel.write_kv(k, v, *kv_cache, slot_mapping)
 
     def attend(self, q, k, v, kv_cache: KVCache, meta: BatchMetadata, scale: float, out: torch.Tensor) -> None:
         if q.device.type != "cpu":

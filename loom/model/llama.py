@@ -83,7 +83,7 @@ class LlamaModel:
             q = qkv[:, :h_dim].view(num_tokens, cfg.num_heads, cfg.head_dim)
             k = qkv[:, h_dim : h_dim + kv_dim].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, h_dim + kv_dim :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            attn = attention(q, k, v.contiguous(), kv_cache, meta, scale)
+            attn = attention(q, k, v, kv_cache, meta, scale)
             hidden, x = ops.add_rms_norm(hidden, layer.o(attn), layer.post_norm, cfg.norm_eps)
             delta = layer.down(ops.silu_mul(layer.gate_up(x)))
             if i + 1 < len(self.layers):

@@ -254,7 +254,12 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, con
                        const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                        const torch::Tensor& query_starts, int64_t first_seq, torch::Tensor& out, double scale);
 
+// Defined in write_kv.cpp.
+void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
+              const torch::Tensor& slot_mapping);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_kv", &write_kv, "store the step's K/V rows at their cache slots");
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU)");
   m.def("prefill_attention", &prefill_attention, "paged prefill attention, flash style (CPU)");
 }
