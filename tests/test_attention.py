@@ -141,5 +141,7 @@ def test_kernel_write_kv_matches_index_copy(kernel, dtype):
     kernel.write_kv(k, v, *ours, slots)
     write_kv(torchs, k, v, slots)
     assert torch.equal(ours[0], torchs[0]) and torch.equal(ours[1], torchs[1])
+    before = [c.clone() for c in ours]
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernel.write_kv(k, v, *ours, torch.tensor([0, 1, 2, 3, 24]))
+    assert torch.equal(ours[0], before[0]) and torch.equal(ours[1], before[1])  # nothing written

@@ -1,6 +1,7 @@
 // Stores a step's new keys and values at their slots of the paged KV cache: one row copy per token and cache.
-// torch's index_copy_ did the same in 60 us (one request) to 120 us (64) per layer here, two calls of it; this is
-// one call. The rows may be strided views into the fused qkv projection, so nothing is made contiguous first.
+// torch's index_copy_, two calls of it, took 13-32 us (one request) and 95-123 us (64 requests) per layer here; this
+// one call 9 and 22 us. The rows may be strided views into the fused qkv projection, so nothing is made contiguous
+// first. Every slot is checked before anything is written.
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -39,8 +40,9 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_c
   auto* v_to = static_cast<char*>(v_cache.data_ptr());
   const auto* k_from = static_cast<const char*>(k.data_ptr());
   const auto* v_from = static_cast<const char*>(v.data_ptr());
-  for (int64_t t = 0; t < k.size(0); ++t) {
+  for (int64_t t = 0; t < k.size(0); ++t)
     TORCH_CHECK(0 <= slot[t] && slot[t] < num_slots, "slot ", slot[t], " is outside the cache");
+  for (int64_t t = 0; t < k.size(0); ++t) {
     std::memcpy(k_to + slot[t] * row_bytes, k_from + t * k.stride(0) * elem, row_bytes);
     std::memcpy(v_to + slot[t] * row_bytes, v_from + t * v.stride(0) * elem, row_bytes);
   }
