@@ -1,7 +1,8 @@
 // bfloat16 <-> float32, shared by Loom's kernels: a bfloat16 is the high 16 bits of a float32, so widening is exact;
-// narrowing rounds to nearest even, as torch does.
+// narrowing rounds to nearest even, as torch does. And the float32-or-bfloat16 dispatch the kernels share.
 #pragma once
 
+#include <torch/extension.h>
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
@@ -34,6 +35,18 @@ inline T narrow(float x) {
     c10::BFloat16 b;
     b.x = static_cast<uint16_t>(bf16_bits(x));
     return b;
+  }
+}
+
+// Calls run(static_cast<T*>(nullptr)) with T the element type of t, float or c10::BFloat16; any other dtype is an
+// error that names `op`.
+template <typename F>
+void by_dtype(const torch::Tensor& t, const char* op, F&& run) {
+  if (t.scalar_type() == at::kFloat) {
+    run(static_cast<float*>(nullptr));
+  } else {
+    TORCH_CHECK(t.scalar_type() == at::kBFloat16, op, " takes float32 or bfloat16, not ", t.scalar_type());
+    run(static_cast<c10::BFloat16*>(nullptr));
   }
 }
 

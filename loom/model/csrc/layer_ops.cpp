@@ -15,6 +15,7 @@
 
 namespace {
 
+using loom::by_dtype;
 using loom::narrow;
 using loom::widen;
 
@@ -83,16 +84,6 @@ void silu_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t width) {
       }
     }
   });
-}
-
-template <typename F>
-void by_dtype(const torch::Tensor& t, const char* op, F&& run) {
-  if (t.scalar_type() == at::kFloat) {
-    run(static_cast<float*>(nullptr));
-  } else {
-    TORCH_CHECK(t.scalar_type() == at::kBFloat16, op, " takes float32 or bfloat16, not ", t.scalar_type());
-    run(static_cast<at::BFloat16*>(nullptr));
-  }
 }
 
 void check_cpu_rows(const torch::Tensor& t, const char* name) {

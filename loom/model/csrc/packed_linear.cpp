@@ -194,18 +194,14 @@ torch::Tensor packed_linear(const torch::Tensor& x_in, const torch::Tensor& pane
   const int64_t rows = x.size(0), in_features = x.size(1);
   auto y = torch::empty({rows, out_features}, x.options());
   if (rows == 0) return y;
-  auto run = [&](auto* x_typed, auto* panels_typed) {
-    using X = std::remove_pointer_t<decltype(x_typed)>;
-    using W = std::remove_pointer_t<decltype(panels_typed)>;
-    packed_linear_impl<X, W>(x.data_ptr<X>(), panels.data_ptr<W>(), bias_data, y.data_ptr<X>(), rows, in_features,
-                             out_features);
-  };
-  auto by_panels = [&](auto* x_typed) {
-    if (panels.scalar_type() == torch::kFloat32) run(x_typed, static_cast<float*>(nullptr));
-    else run(x_typed, static_cast<at::BFloat16*>(nullptr));
-  };
-  if (x.scalar_type() == torch::kFloat32) by_panels(static_cast<float*>(nullptr));
-  else by_panels(static_cast<at::BFloat16*>(nullptr));
+  loom::by_dtype(x, "packed_linear", [&](auto* x_typed) {
+    loom::by_dtype(panels, "packed_linear", [&](auto* panels_typed) {
+      using X = std::remove_pointer_t<decltype(x_typed)>;
+      using W = std::remove_pointer_t<decltype(panels_typed)>;
+      packed_linear_impl<X, W>(x.data_ptr<X>(), panels.data_ptr<W>(), bias_data, y.data_ptr<X>(), rows, in_features,
+                               out_features);
+    });
+  });
   return y;
 }
 
