@@ -38,6 +38,10 @@ inline T narrow(float x) {
   }
 }
 
+// x as torch would store it in T, read back as float32: exact for float, rounded for bfloat16.
+template <typename T>
+inline float rounded(float x) { return widen(narrow<T>(x)); }
+
 // Calls run(static_cast<T*>(nullptr)) with T the element type of t, float or c10::BFloat16; any other dtype is an
 // error that names `op`.
 template <typename F>

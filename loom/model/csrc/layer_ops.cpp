@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 
 #include "bfloat16.h"
+#include "vec.h"
 
 #include <cmath>
 #include <cstdint>
@@ -16,12 +17,13 @@
 namespace {
 
 using loom::by_dtype;
+using loom::kLanes;
+using loom::load;
 using loom::narrow;
+using loom::rounded;
+using loom::store;
+using loom::Vec;
 using loom::widen;
-
-// x as torch would store it in T, read back as float32: exact for float, rounded for bfloat16.
-template <typename T>
-inline float rounded(float x) { return widen(narrow<T>(x)); }
 
 // Rows per work item: small inputs (a decode step of a few rows) stay on the calling thread.
 inline int64_t grain(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
@@ -50,24 +52,29 @@ void add_rms_norm_impl(T* hidden, const T* delta, const T* weight, T* out, int64
   });
 }
 
+// x * cos + rotate_half(x) * sin for one head, rotate_half(x) = (-x2, x1): each product rounded, then the sum.
+template <typename T>
+inline void rotate_head(T* x, const T* c, const T* s, int64_t half) {
+  int64_t i = 0;
+  for (; i + kLanes <= half; i += kLanes) {
+    const Vec x1 = load(x + i), x2 = load(x + i + half);
+    store(x + i, rounded<T>(x1 * load(c + i)) - rounded<T>(x2 * load(s + i)));
+    store(x + i + half, rounded<T>(x2 * load(c + i + half)) + rounded<T>(x1 * load(s + i + half)));
+  }
+  for (; i < half; ++i) {
+    const float x1 = widen(x[i]), x2 = widen(x[i + half]);
+    x[i] = narrow<T>(rounded<T>(x1 * widen(c[i])) - rounded<T>(x2 * widen(s[i])));
+    x[i + half] = narrow<T>(rounded<T>(x2 * widen(c[i + half])) + rounded<T>(x1 * widen(s[i + half])));
+  }
+}
+
 template <typename T>
 void rotary_impl(T* qkv, int64_t row_stride, const T* cos, const T* sin, int64_t rows, int64_t heads,
                  int64_t head_dim) {
-  const int64_t half = head_dim / 2;
   at::parallel_for(0, rows, grain(heads * head_dim), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* c = cos + r * head_dim;
-      const T* s = sin + r * head_dim;
-      for (int64_t h = 0; h < heads; ++h) {
-        T* x = qkv + r * row_stride + h * head_dim;
-        // x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1); each product rounded, then the sum.
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = widen(x[i]), x2 = widen(x[i + half]);
-          x[i] = narrow<T>(rounded<T>(x1 * widen(c[i])) - rounded<T>(x2 * widen(s[i])));
-          x[i + half] = narrow<T>(rounded<T>(x2 * widen(c[i + half])) + rounded<T>(x1 * widen(s[i + half])));
-        }
-      }
-    }
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t h = 0; h < heads; ++h)
+        rotate_head(qkv + r * row_stride + h * head_dim, cos + r * head_dim, sin + r * head_dim, head_dim / 2);
   });
 }
 

@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include "bfloat16.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cstring>
@@ -45,21 +46,10 @@ inline void load_panel_row(const at::BFloat16* w, __m256& w0, __m256& w1) {
 }
 
 // Stores 16 results of a row: as they are, or rounded to bfloat16 (nearest even, as loom::narrow).
-inline void store_row(float* y, __m256 y0, __m256 y1) {
-  _mm256_storeu_ps(y, y0);
-  _mm256_storeu_ps(y + 8, y1);
-}
-
-inline __m256i bf16_bits(__m256 x) {
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
-}
-
-inline void store_row(at::BFloat16* y, __m256 y0, __m256 y1) {
-  // packus interleaves the two registers' 128-bit lanes: 0-3, 8-11, 4-7, 12-15; the permute puts them in order.
-  const __m256i packed = _mm256_packus_epi32(bf16_bits(y0), bf16_bits(y1));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm256_permute4x64_epi64(packed, 0xd8));
+template <typename Y>
+inline void store_row(Y* y, __m256 y0, __m256 y1) {
+  loom::store(y, reinterpret_cast<loom::Vec>(y0));
+  loom::store(y + 8, reinterpret_cast<loom::Vec>(y1));
 }
 
 // y[0:ROWS, 0:16*PANELS] = x[0:ROWS, :] . PANELS adjacent panels (+ bias, when given), all accumulators in registers.

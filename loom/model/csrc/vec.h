@@ -10,12 +10,14 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace loom {
 
 constexpr int kLanes = 8;
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint32_t UVec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
 // A masked score: finite, since -ffast-math assumes no infinities, and far below exp's range (exp gives 0).
 constexpr float kMasked = -1e30f;
@@ -46,6 +48,48 @@ inline Vec load(const c10::BFloat16* p) {
   std::memcpy(&v, &wide, sizeof v);
   return v;
 #endif
+}
+
+inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+
+// The bits of each lane rounded to nearest even at bfloat16's precision (bf16_bits of bfloat16.h, eight at once),
+// still in the high half of each 32-bit lane.
+inline UVec bf16_high_bits(Vec x) {
+  UVec bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+}
+
+// x rounded to bfloat16 and widened back: what torch's float32 -> bfloat16 -> float32 round trip gives.
+inline Vec round_bf16(Vec x) {
+  const UVec bits = bf16_high_bits(x);
+  Vec v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+// kLanes floats rounded to bfloat16 and stored: the inverse of load(const c10::BFloat16*).
+inline void store(c10::BFloat16* p, Vec v) {
+  const UVec bits = bf16_high_bits(v) >> 16;
+#if defined(__AVX2__)
+  const __m256i wide = reinterpret_cast<__m256i>(bits);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(wide), _mm256_extracti128_si256(wide, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+#else
+  typedef uint16_t Half __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  const Half half = __builtin_convertvector(bits, Half);
+  std::memcpy(p, &half, sizeof half);
+#endif
+}
+
+// x as a T would hold it: unchanged for float, rounded for bfloat16 (narrow then widen, eight lanes at once).
+template <typename T>
+inline Vec rounded(Vec x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    return round_bf16(x);
+  }
 }
 
 inline float max_lanes(Vec v) {
