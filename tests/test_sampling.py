@@ -10,7 +10,8 @@ import torch
 from loom import LLMEngine, SamplingParams
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.engine.request import Request
-from loom.model.sampler import _filter, sample
+from loom.model.kernels import load_argmax
+from loom.model.sampler import Sampler, _filter, make_sampler
 
 
 @pytest.mark.parametrize(
@@ -54,6 +55,49 @@ def test_filters_keep_exactly_the_expected_tokens():
     assert kept[2].tolist() == [True, True, True, False, False]  # >= 0.25 * 0.5
 
 
+@pytest.fixture(scope="module")
+def argmax_kernel():
+    kernel = load_argmax()
+    assert kernel is not None, "the argmax kernel must build on the CI machine"
+    return kernel
+
+
+def _rows_with_ties_and_nans() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    rows = 3 * torch.randn(9, 49152, generator=gen)
+    rows[1, [7, 30000, 49151]] = 50.0  # ties: the first index wins
+    rows[2, 49151] = 60.0  # the maximum in the last lane of the last vector
+    rows[3, [100, 40000]] = math.nan  # torch orders NaN above every number: the first NaN wins
+    rows[4, -3:] = math.nan  # a NaN only in the row's tail
+    rows[5] = -math.inf
+    rows[6, :40000] = -math.inf
+    rows[7] = 0.0
+    rows[8, ::2] = -0.0  # equal to 0.0: the first of them wins
+    return rows
+
+
+def test_argmax_kernel_matches_torch(argmax_kernel):
+    rows = _rows_with_ties_and_nans()
+    assert torch.equal(argmax_kernel.argmax_rows(rows), rows.argmax(dim=-1))
+    for width in (1, 7, 8, 13, 17):  # shorter than a vector, whole vectors, a tail
+        narrow = rows[:, -width:].contiguous()
+        assert torch.equal(argmax_kernel.argmax_rows(narrow), narrow.argmax(dim=-1)), width
+    strided = rows[:, :1000]  # not contiguous: copied first
+    assert torch.equal(argmax_kernel.argmax_rows(strided), strided.argmax(dim=-1))
+    assert argmax_kernel.argmax_rows(rows[:0]).shape == (0,)
+    with pytest.raises(RuntimeError, match="float32"):
+        argmax_kernel.argmax_rows(rows.to(torch.bfloat16))
+    assert make_sampler().argmax_kernel is not None
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_greedy_rows_take_the_argmax(argmax_kernel, use_kernel):
+    sampler = Sampler(argmax_kernel if use_kernel else None)
+    rows = _rows_with_ties_and_nans()
+    tokens, logprobs = sampler.sample(rows, [_req(temperature=0.0) for _ in range(len(rows))])
+    assert tokens == rows.argmax(dim=-1).tolist() and logprobs == [None] * len(rows)
+
+
 def test_top_k_one_is_greedy_and_penalties_change_the_choice():
     logits = torch.tensor([[1.0, 3.0, 2.0], [1.0, 3.0, 2.0], [1.0, 3.0, 2.0]])
     reqs = [
@@ -62,7 +106,7 @@ def test_top_k_one_is_greedy_and_penalties_change_the_choice():
         _req(temperature=0.0, frequency_penalty=2.0),
     ]
     reqs[2].output_token_ids = [1]
-    tokens, _ = sample(logits, reqs)
+    tokens, _ = Sampler().sample(logits, reqs)
     assert tokens == [1, 2, 2]
 
 
@@ -71,7 +115,7 @@ def test_sampling_follows_the_distribution_and_logprobs_are_reported():
     req = _req(temperature=1.0, seed=123, logprobs=2)
     counts = torch.zeros(3)
     for _ in range(3000):
-        tokens, lps = sample(probs.log().unsqueeze(0), [req])
+        tokens, lps = Sampler().sample(probs.log().unsqueeze(0), [req])
         counts[tokens[0]] += 1
     assert torch.allclose(counts / 3000, probs, atol=0.03)
     assert lps[0].top[0][0] == 0 and abs(lps[0].top[0][1] - math.log(0.7)) < 1e-5

@@ -36,7 +36,6 @@ from loom.engine.engine import LLMEngine
 from loom.model.layer_ops import FusedLayerOps
 from loom.model.linear import PackedLinear, make_matmul
 from loom.model.loader import LoadedModel, load_model
-from loom.model.sampler import sample
 from loom.sampling import SamplingParams
 
 
@@ -128,7 +127,7 @@ def decode_step(engine: LLMEngine, batch: int, context: int, seed: int = 0) -> d
     logits = model.compute_logits(hidden)
     requests = [out.scheduled[i].request for i in meta.sampled_scheduled_index]
     metadata_s = median_seconds(lambda: build_batch_metadata(out, engine.config.cache.block_size), repeats=5)
-    sample_s = median_seconds(lambda: sample(logits, requests), repeats=5)
+    sample_s = median_seconds(lambda: runner.sampler.sample(logits, requests), repeats=5)
     matmul_s = median_seconds(matmuls_alone(model, meta.num_tokens, len(requests)), repeats=3)
     for i in ids:
         engine.abort(i)

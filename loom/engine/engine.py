@@ -18,6 +18,7 @@ from loom.engine.runner import ModelRunner, StepResult
 from loom.engine.scheduler import ContinuousScheduler, Scheduler, SchedulerOutput, StaticScheduler
 from loom.model.attention import make_attention
 from loom.model.layer_ops import make_layer_ops
+from loom.model.sampler import make_sampler
 from loom.model.linear import make_matmul
 from loom.model.loader import LoadedModel, load_model
 from loom.sampling import SamplingParams
@@ -100,7 +101,8 @@ class LLMEngine:
         # the originals and their packed copies are never all in memory at once.
         model = self.loaded.build(self.config.dtype, make_matmul(self.config.matmul_backend),
                                   make_layer_ops(self.config.layer_ops), consume=loaded is None)
-        self.runner = ModelRunner(model, kv_spec, num_blocks, make_attention(self.config.attention_backend))
+        self.runner = ModelRunner(model, kv_spec, num_blocks, make_attention(self.config.attention_backend),
+                                  make_sampler())
         self.scheduler = self._make_scheduler(self.config.scheduler)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, _Stream] = {}

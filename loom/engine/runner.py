@@ -11,7 +11,7 @@ from loom.engine.kv_cache import KVCacheSpec
 from loom.engine.request import TokenLogprob
 from loom.engine.scheduler import SchedulerOutput
 from loom.model.attention import AttentionBackend
-from loom.model.sampler import sample
+from loom.model.sampler import Sampler
 
 
 @dataclass
@@ -24,14 +24,16 @@ class StepResult:
 
 
 class ModelRunner:
-    """Owns the model, its paged KV tensors and the attention backend."""
+    """Owns the model, its paged KV tensors, the attention backend and the sampler."""
 
-    def __init__(self, model, kv_spec: KVCacheSpec, num_blocks: int, attention: AttentionBackend) -> None:
+    def __init__(self, model, kv_spec: KVCacheSpec, num_blocks: int, attention: AttentionBackend,
+                 sampler: Sampler) -> None:
         self.model = model
         self.kv_spec = kv_spec
         self.num_blocks = num_blocks
         self.kv_caches = kv_spec.allocate(num_blocks)
         self.attention = attention
+        self.sampler = sampler
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -43,7 +45,7 @@ class ModelRunner:
         if meta.sampled_scheduled_index:
             logits = self.model.compute_logits(hidden[meta.logits_indices])
             requests = [out.scheduled[i].request for i in meta.sampled_scheduled_index]
-            sampled, lps = sample(logits, requests)
+            sampled, lps = self.sampler.sample(logits, requests)
             for i, tok, lp in zip(meta.sampled_scheduled_index, sampled, lps):
                 tokens[i] = tok
                 logprobs[i] = lp

@@ -99,6 +99,11 @@ def load_layer_ops(verbose: bool = False) -> ModuleType | None:
     return _load("loom_layer_ops", ["layer_ops.cpp"], verbose)
 
 
+def load_argmax(verbose: bool = False) -> ModuleType | None:
+    """The compiled `argmax_rows` module (greedy sampling), or None if it cannot be built here."""
+    return _load("loom_argmax", ["argmax.cpp"], verbose)
+
+
 def build() -> None:
     """Compile (or find cached) every kernel now and say whether it is usable; `make install` calls this."""
     logging.basicConfig(level=logging.INFO)
@@ -108,3 +113,5 @@ def build() -> None:
     print("loom packed linear kernel:", "ready" if linear else "unavailable (torch matmuls will be used)")
     layer_ops = load_layer_ops()
     print("loom fused layer ops:", "ready" if layer_ops else "unavailable (torch ops will be used)")
+    argmax = load_argmax()
+    print("loom greedy argmax:", "ready" if argmax else "unavailable (torch's argmax will be used)")
