@@ -213,17 +213,13 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
                : g.padded_dim() == 16 * kLanes ? attend_decode<T, T, 16>
                                              : attend_decode<T, T, 0>;
   }
-  const int64_t num_items = static_cast<int64_t>(items.size());
-#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(threads, num_items)))
-  {
-    DecodeScratch scratch(g, max_len);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_items; ++i) {
-      const Item& it = items[i];
-      attend(q + it.seq * g.num_heads * g.head_dim, k_cache, v_cache, block_tables + it.seq * g.max_blocks,
-             context_lens[it.seq], it.heads, out + it.seq * g.num_heads * g.head_dim, g, scratch);
-    }
-  }
+  loom::for_each_item(
+      static_cast<int64_t>(items.size()), [&] { return DecodeScratch(g, max_len); },
+      [&](int64_t i, DecodeScratch& scratch) {
+        const Item& it = items[i];
+        attend(q + it.seq * g.num_heads * g.head_dim, k_cache, v_cache, block_tables + it.seq * g.max_blocks,
+               context_lens[it.seq], it.heads, out + it.seq * g.num_heads * g.head_dim, g, scratch);
+      });
 }
 
 }  // namespace

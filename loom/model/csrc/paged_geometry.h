@@ -2,6 +2,9 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 
 #include <cstdint>
 
@@ -35,6 +38,18 @@ inline PagedGeometry check_paged_inputs(const char* kernel, const torch::Tensor&
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   return {num_heads, num_kv_heads, q.size(2), k_cache.size(1), block_tables.size(1), num_kv_heads * q.size(2),
           static_cast<float>(scale)};
+}
+
+// Runs work(i, scratch) for every i in [0, num_items) on up to torch's thread count, items handed out one at a time
+// (the kernels order them costliest first); each thread makes its own scratch once, with make_scratch().
+template <typename MakeScratch, typename Work>
+void for_each_item(int64_t num_items, MakeScratch make_scratch, Work work) {
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items)))
+  {
+    auto scratch = make_scratch();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_items; ++i) work(i, scratch);
+  }
 }
 
 }  // namespace loom

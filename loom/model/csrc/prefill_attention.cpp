@@ -189,20 +189,22 @@ void prefill_attention_impl(const T* q, const T* k_cache, const T* v_cache, cons
       for (int64_t kvh = 0; kvh < g.num_kv_heads; ++kvh) items.push_back({seq, kvh, row0});
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
-#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items)))
-  {
-    const int64_t step_keys = std::max<int64_t>(1, kStepKeys / g.block_size) * g.block_size;
-    std::vector<Vec> scratch((2 * g.head_dim + step_keys) * kVecs);
-    std::vector<float> kv_buffer(2 * step_keys * g.head_dim);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_items; ++i) {
-      const Item& it = items[i];
-      const int64_t start = query_starts[it.seq];
-      attend_tile(q + start * g.num_heads * g.head_dim, k_cache, v_cache, block_tables + it.seq * g.max_blocks,
-                  query_starts[it.seq + 1] - start, context_lens[it.seq], it.kvh, it.row0,
-                  out + start * g.num_heads * g.head_dim, g, scratch, kv_buffer);
-    }
-  }
+  const int64_t step_keys = std::max<int64_t>(1, kStepKeys / g.block_size) * g.block_size;
+  struct Scratch {
+    std::vector<Vec> tile;
+    std::vector<float> kv_buffer;
+  };
+  loom::for_each_item(
+      num_items,
+      [&] { return Scratch{std::vector<Vec>((2 * g.head_dim + step_keys) * kVecs),
+                           std::vector<float>(2 * step_keys * g.head_dim)}; },
+      [&](int64_t i, Scratch& scratch) {
+        const Item& it = items[i];
+        const int64_t start = query_starts[it.seq];
+        attend_tile(q + start * g.num_heads * g.head_dim, k_cache, v_cache, block_tables + it.seq * g.max_blocks,
+                    query_starts[it.seq + 1] - start, context_lens[it.seq], it.kvh, it.row0,
+                    out + start * g.num_heads * g.head_dim, g, scratch.tile, scratch.kv_buffer);
+      });
 }
 
 }  // namespace
