@@ -144,3 +144,4 @@ def test_offline_run_holds_itself_to_its_own_matmul_peak(tiny_llama_dir, capsys)
     (line,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]  # one dtype, one policy
     assert line["system"] == "loom-continuous" and line["matmul_peak_gflops"] > 0
     assert line["fraction_of_peak"] == round(line["model_gflops"] / line["matmul_peak_gflops"], 3)
+    assert line["matmul_peak_gflops"] == max(line["matmul_peak_before_after_gflops"]) > 0

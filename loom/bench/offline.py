@@ -12,6 +12,7 @@ import json
 import time
 from pathlib import Path
 
+from loom.bench.matmul_timing import matmul_peak
 from loom.bench.workloads import BenchRequest, article_workload, mixed_workload, shared_prefix_workload
 from loom.cli import engine_config
 from loom.config import SchedulerConfig
@@ -113,22 +114,24 @@ def main(args: argparse.Namespace) -> int:
     workloads = {name: build_workload[name]() for name in names}
     plot_dir = Path(args.plot) if args.plot else None
     ok = True
-    from loom.bench.perf import matmul_peak  # not at the top: perf imports this module
-
     for dtype in args.dtypes.split(","):
         engine = LLMEngine(engine_config(args, dtype), loaded)
-        # The roofline each run is held to: the best matmul FLOP/s on the model's own shapes, in this process.
-        peak = matmul_peak(engine.runner.model)["peak_gflops"]
+        # The roofline each run is held to: the best matmul FLOP/s on the model's own shapes, in this process,
+        # measured before and after the run (this VM's speed drifts by tens of percent from minute to minute); the
+        # higher of the two, so the fraction errs low. One run's "after" is the next one's "before".
+        before = matmul_peak(engine.runner.model)["peak_gflops"]
         for name in names:
             requests, seqs = workloads[name]
             results, tokens, traces = {}, {}, {}  # traces: policy -> StepTracer
-            base = {"workload": name, "dtype": dtype, "requests": len(requests), "max_num_seqs": seqs,
-                    "matmul_peak_gflops": peak}
+            base = {"workload": name, "dtype": dtype, "requests": len(requests), "max_num_seqs": seqs}
             for policy in args.policies.split(","):
                 results[policy], tokens[policy], traces[policy] = run_once(
                     engine, requests, policy, seqs, args.max_num_batched_tokens)
-                emit({**base, **results[policy],
-                      "fraction_of_peak": round(results[policy]["model_gflops"] / peak, 3)})
+                after = matmul_peak(engine.runner.model)["peak_gflops"]
+                peak = max(before, after)
+                emit({**base, "matmul_peak_gflops": peak, "matmul_peak_before_after_gflops": [before, after],
+                      **results[policy], "fraction_of_peak": round(results[policy]["model_gflops"] / peak, 3)})
+                before = after
                 if args.trace:
                     traces[policy].save_chrome_trace(Path(args.trace) / f"{name}-{dtype}-{policy}.json")
             if {"static", "continuous"} <= set(results):

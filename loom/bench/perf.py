@@ -17,16 +17,15 @@ from __future__ import annotations
 import argparse
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import torch
 
+from loom.bench.matmul_timing import matmul_peak, matmuls_alone, median_seconds
 from loom.bench.offline import emit, run_once
 from loom.bench.serve_client import free_loopback_port, wait_until_healthy
 from loom.bench.workloads import mixed_workload
@@ -37,54 +36,6 @@ from loom.model.layer_ops import FusedLayerOps
 from loom.model.linear import PackedLinear, make_matmul
 from loom.model.loader import LoadedModel, load_model
 from loom.sampling import SamplingParams
-
-
-def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-@torch.inference_mode()
-def matmuls_alone(model, rows: int, lm_head_rows: int) -> Callable[[], None]:
-    """A closure that runs every matmul of one forward (layers at `rows` rows, LM head at `lm_head_rows`, as the
-    model runs it)."""
-    linears = model.layer_linears()
-    inputs = {lin.in_features: torch.randn(rows, lin.in_features, dtype=model.dtype) for lin in linears}
-    head_in = torch.randn(lm_head_rows, model.lm_head.in_features, dtype=model.dtype)
-
-    def run() -> None:
-        for lin in linears:
-            lin(inputs[lin.in_features])
-        if lm_head_rows:
-            model.lm_head(head_in)
-
-    return run
-
-
-@torch.inference_mode()
-def matmul_peak(model, rows_options: tuple[int, ...] = (64, 256, 512, 2048)) -> dict:
-    """Best matmul FLOP/s (as the model's matmul backend runs them) over the model's distinct weight shapes and
-    several row counts."""
-    shapes = {(lin.out_features, lin.in_features): lin for lin in model.layer_linears()}
-    shapes[(model.lm_head.out_features, model.lm_head.in_features)] = model.lm_head
-    best, per_rows = 0.0, {}
-    for rows in rows_options:
-        flops_total, seconds_total = 0.0, 0.0
-        for shape, lin in shapes.items():
-            x = torch.randn(rows, shape[1], dtype=model.dtype)
-            sec = median_seconds(lambda lin=lin, x=x: lin(x), repeats=3)
-            flops = 2.0 * rows * shape[0] * shape[1]
-            best = max(best, flops / sec)
-            flops_total += flops
-            seconds_total += sec
-        per_rows[rows] = round(flops_total / seconds_total / 1e9, 1)
-    return {"peak_gflops": round(best / 1e9, 1), "gflops_by_rows_all_shapes": per_rows}
 
 
 def matmul_backend_name(model) -> str:
