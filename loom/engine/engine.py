@@ -18,9 +18,9 @@ from loom.engine.runner import ModelRunner, StepResult
 from loom.engine.scheduler import ContinuousScheduler, Scheduler, SchedulerOutput, StaticScheduler
 from loom.model.attention import make_attention
 from loom.model.layer_ops import make_layer_ops
-from loom.model.sampler import make_sampler
 from loom.model.linear import make_matmul
 from loom.model.loader import LoadedModel, load_model
+from loom.model.sampler import make_sampler
 from loom.sampling import SamplingParams
 from loom.tokenizer import IncrementalDetokenizer
 

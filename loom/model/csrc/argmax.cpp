@@ -1,7 +1,7 @@
 // Greedy sampling's argmax over each row of a step's float32 logits [S, V], V = 49,152 for SmolLM2. torch's argmax
 // took 3.8-4.4 ms for 64 rows on the development machine (a scalar compare-and-index loop), 1.5-2% of a 64-request
 // decode step, while a row's maximum alone (amax) took 0.16 ms: here a vector pass finds each row's maximum, then a
-// second finds where it first occurs.
+// second finds where it first occurs (0.55-1.22 ms for the same 64 rows).
 //
 // Same answer as torch.argmax: the first index of the maximum, or of the first NaN where a row has one (torch orders
 // NaN above every number). NaN is found from the bits: -ffast-math compiles float NaN tests away.

@@ -5,7 +5,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-
 #include <cstdint>
 
 #include "vec.h"
