@@ -94,6 +94,8 @@ class PackedLinear:
         return cls(pack_panels(weight), weight.shape[1], weight.shape[0], padded_bias, kernel)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # the forward's packed rows [T, in]: no reshapes (~3 us of Python a call, 120 calls a step)
+            return self.kernel.packed_linear(x, self.panels, self.out_features, self.bias)
         y = self.kernel.packed_linear(x.reshape(-1, self.in_features), self.panels, self.out_features, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 

@@ -73,16 +73,14 @@ class LlamaModel:
         cfg = self.config
         ops = self.ops
         num_tokens = meta.num_tokens
-        h_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        heads = [cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads]  # q, k, v heads side by side in qkv's rows
         cos, sin = self.rope_cos[meta.positions], self.rope_sin[meta.positions]
         scale = cfg.head_dim**-0.5
         hidden, x = ops.add_rms_norm(self.embed[meta.input_ids], None, self.layers[0].input_norm, cfg.norm_eps)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             # q and k heads side by side, rotated together.
             qkv = ops.rotate_qk(layer.qkv(x), cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-            q = qkv[:, :h_dim].view(num_tokens, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, h_dim : h_dim + kv_dim].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, h_dim + kv_dim :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = qkv.view(num_tokens, -1, cfg.head_dim).split(heads, dim=1)  # views, one op
             attn = attention(q, k, v, kv_cache, meta, scale)
             hidden, x = ops.add_rms_norm(hidden, layer.o(attn), layer.post_norm, cfg.norm_eps)
             delta = layer.down(ops.silu_mul(layer.gate_up(x)))
