@@ -24,13 +24,12 @@ using loom::vmax;
 
 constexpr int32_t kExponentAllOnes = 0x7f800000;  // above it, with the sign cleared: a NaN
 
-inline IVec magnitude_bits(Vec v) {
+// Lanes that hold a NaN (all ones there): the magnitude's bits above the exponent's all-ones pattern.
+inline IVec nan_lanes(Vec v) {
   IVec bits;
   std::memcpy(&bits, &v, sizeof bits);
-  return bits & 0x7fffffff;
+  return (bits & 0x7fffffff) > kExponentAllOnes;
 }
-
-inline bool is_nan(float x) { return magnitude_bits(splat(x))[0] > kExponentAllOnes; }
 
 inline bool any_lane(IVec mask) {
 #if defined(__AVX2__)
@@ -60,15 +59,15 @@ int64_t row_argmax(const float* x, int64_t n) {
   for (int64_t i = 0; i < whole; i += kLanes) {
     const Vec v = load(x + i);
     best = vmax(best, v);
-    nan |= magnitude_bits(v) > kExponentAllOnes;
+    nan |= nan_lanes(v);
   }
   float top = loom::max_lanes(best);
   bool any_nan = any_lane(nan);
   for (int64_t i = whole; i < n; ++i) {
-    any_nan |= is_nan(x[i]);
+    any_nan |= nan_lanes(splat(x[i]))[0] != 0;
     top = x[i] > top ? x[i] : top;
   }
-  if (any_nan) return first(x, n, [](Vec v) { return magnitude_bits(v) > kExponentAllOnes; });
+  if (any_nan) return first(x, n, nan_lanes);
   const Vec target = splat(top);
   return first(x, n, [&](Vec v) { return v == target; });
 }
