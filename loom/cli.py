@@ -10,7 +10,7 @@ from rich.console import Console
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.model.attention import ATTENTION_BACKENDS
 from loom.model.layer_ops import LAYER_OPS
-from loom.model.linear import MATMUL_BACKENDS
+from loom.model.linear import MATMUL_BACKENDS, QUANTIZATIONS
 
 
 def _engine_args(p: argparse.ArgumentParser, kv_cache_gib: float) -> None:
@@ -29,6 +29,9 @@ def _engine_args(p: argparse.ArgumentParser, kv_cache_gib: float) -> None:
     p.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
     p.add_argument("--matmul-backend", default="auto", choices=list(MATMUL_BACKENDS),
                    help="packed: Loom's C++ kernel on weights packed at load (CPU); torch: F.linear")
+    p.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
+                   help="gguf: run the GGUF file's Q4_1 / Q8_0 weights in their blocks (C++ kernel, CPU; float32 "
+                        "keeps the same outputs); none: dequantize every weight to --dtype")
     p.add_argument("--layer-ops", default="auto", choices=list(LAYER_OPS),
                    help="fused: Loom's C++ kernel for a Llama layer's norm, RoPE and SwiGLU (CPU); torch: torch ops")
     p.add_argument("--threads", type=int, default=None)
@@ -43,6 +46,7 @@ def engine_config(args: argparse.Namespace, dtype: str | None = None) -> EngineC
         max_model_len=args.max_model_len,
         attention_backend=args.attention_backend,
         matmul_backend=args.matmul_backend,
+        quantization=args.quantization,
         layer_ops=args.layer_ops,
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                   long_prefill_chunk_tokens=args.long_prefill_chunk_tokens),

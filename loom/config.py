@@ -8,7 +8,7 @@ import torch
 
 from loom.model.attention import ATTENTION_BACKENDS
 from loom.model.layer_ops import LAYER_OPS
-from loom.model.linear import MATMUL_BACKENDS
+from loom.model.linear import MATMUL_BACKENDS, QUANTIZATIONS
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -74,6 +74,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     attention_backend: str = "auto"  # "auto" | "paged" (C++ kernel) | "sdpa" | "reference" (obvious, for tests)
     matmul_backend: str = "auto"  # "auto" | "packed" (C++ kernel) | "torch"
+    # "gguf": weights that the GGUF file stores in Q4_1 / Q8_0 blocks stay in them (C++ kernel; float32 gives the
+    # same bits as "none"); "auto": so when that kernel builds; "none": every weight dequantized to `dtype`.
+    quantization: str = "none"
     layer_ops: str = "auto"  # "auto" | "fused" (C++ kernel: norm, RoPE, SwiGLU) | "torch"
     num_threads: int | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -85,6 +88,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.matmul_backend not in MATMUL_BACKENDS:
             raise ValueError(f"matmul_backend must be one of {MATMUL_BACKENDS}, got {self.matmul_backend!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.layer_ops not in LAYER_OPS:
             raise ValueError(f"layer_ops must be one of {LAYER_OPS}, got {self.layer_ops!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

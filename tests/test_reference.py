@@ -37,16 +37,27 @@ def test_tiny_models_match_transformers(tiny_model_dir, backend, matmul, ops):
     assert got == expected
 
 
-@pytest.mark.slow
-def test_smollm2_article_prompts_match_transformers(smollm2, hf_smollm2):
+@pytest.fixture(scope="module")
+def article_reference(hf_smollm2) -> list[tuple[list[int], list[int]]]:
+    """transformers' greedy outputs for the article's prompts: (prompt ids, output ids) each."""
     hf_model, hf_tok = hf_smollm2
-    llm = LLM(loaded=smollm2, max_num_seqs=3)
-    prompts = [p for p, _ in ARTICLE_REQUESTS]
-    caps = [c for _, c in ARTICLE_REQUESTS]
-    outs = llm.generate(prompts, [SamplingParams(max_tokens=c, temperature=0.0) for c in caps])
-    for out, cap in zip(outs, caps):
-        assert out.prompt_token_ids == hf_tok(out.prompt).input_ids
-        expected = hf_greedy(hf_model, out.prompt_token_ids, cap, eos_token_id=hf_tok.eos_token_id)
+    reference = []
+    for prompt, cap in ARTICLE_REQUESTS:
+        ids = hf_tok(prompt).input_ids
+        reference.append((ids, hf_greedy(hf_model, ids, cap, eos_token_id=hf_tok.eos_token_id)))
+    return reference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_smollm2_article_prompts_match_transformers(smollm2, hf_smollm2, article_reference, quantization):
+    """float32 on dequantized weights, and on the GGUF blocks themselves (the quantized kernel's same bits)."""
+    _, hf_tok = hf_smollm2
+    llm = LLM(loaded=smollm2, max_num_seqs=3, quantization=quantization)
+    outs = llm.generate([p for p, _ in ARTICLE_REQUESTS],
+                        [SamplingParams(max_tokens=c, temperature=0.0) for _, c in ARTICLE_REQUESTS])
+    for out, (prompt_ids, expected) in zip(outs, article_reference):
+        assert out.prompt_token_ids == prompt_ids
         assert out.token_ids == expected
         assert out.text == hf_tok.decode(expected, skip_special_tokens=True)
 

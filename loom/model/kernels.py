@@ -94,6 +94,11 @@ def load_packed_linear(verbose: bool = False) -> ModuleType | None:
     return _load("loom_packed_linear", ["packed_linear.cpp"], verbose)
 
 
+def load_quantized_linear(verbose: bool = False) -> ModuleType | None:
+    """The compiled `quantized_linear` module (GGUF Q4_1 / Q8_0 weights), or None if it cannot be built here."""
+    return _load("loom_quantized_linear", ["quantized_linear.cpp"], verbose)
+
+
 def load_layer_ops(verbose: bool = False) -> ModuleType | None:
     """The compiled `add_rms_norm` / `rotary_` / `silu_mul` module, or None if it cannot be built here."""
     return _load("loom_layer_ops", ["layer_ops.cpp"], verbose)
@@ -111,6 +116,8 @@ def build() -> None:
     print("loom paged attention kernel:", "ready" if attention else "unavailable (torch SDPA will be used)")
     linear = load_packed_linear()
     print("loom packed linear kernel:", "ready" if linear else "unavailable (torch matmuls will be used)")
+    quantized = load_quantized_linear()
+    print("loom quantized linear kernel:", "ready" if quantized else "unavailable (weights will be dequantized)")
     layer_ops = load_layer_ops()
     print("loom fused layer ops:", "ready" if layer_ops else "unavailable (torch ops will be used)")
     argmax = load_argmax()

@@ -1,7 +1,8 @@
 """Llama-family forward over a packed row: RMSNorm, RoPE, GQA, SwiGLU; tied or untied head; optional qkv bias (Qwen2).
 
-Weights arrive under Hugging Face names; q/k/v and gate/up are fused at construction so each layer runs
-four matmuls, each a `Linear` from the matmul backend. The norms (each with the residual add before it), RoPE and
+Weights arrive under Hugging Face names (and, from a GGUF file, those it stores quantized once more as its blocks);
+q/k/v and gate/up are fused at construction so each layer runs four matmuls, each a `Linear` from the matmul
+backend. The norms (each with the residual add before it), RoPE and
 SwiGLU's SiLU * up come from `ops` (torch's, or Loom's fused kernels); their numerics follow transformers' Llama
 (fp32 RMSNorm, rotate_half RoPE) so greedy outputs match.
 """
@@ -17,6 +18,7 @@ from loom.model.attention import AttentionBackend, KVCache
 from loom.model.config import ModelConfig
 from loom.model.layer_ops import TorchLayerOps
 from loom.model.linear import Linear, MatmulBackend
+from loom.model.quantized import QuantizedWeight, concat_rows
 
 
 @dataclass
@@ -33,16 +35,26 @@ class LlamaModel:
     """Holds the weights (plain tensors, inference only) and runs one step."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 matmul: MatmulBackend, ops: TorchLayerOps) -> None:
+                 matmul: MatmulBackend, ops: TorchLayerOps,
+                 quantized: dict[str, QuantizedWeight] | None = None) -> None:
         self.config = config
         self.dtype = dtype
         self.ops = ops
+        quantized = {} if quantized is None else quantized
 
         def w(name: str) -> torch.Tensor:
             return weights.pop(name).to(dtype)
 
+        def linear(*names: str, bias: torch.Tensor | None = None) -> Linear:
+            """The named weights stacked by rows as one Linear; in GGUF blocks when all of them have theirs."""
+            dense = w(names[0]) if len(names) == 1 else torch.cat([w(n) for n in names])
+            blocks = [quantized.pop(n, None) for n in names]
+            return matmul.linear(dense, bias, None if any(b is None for b in blocks) else concat_rows(blocks))
+
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        head_blocks = quantized.pop(head, None)
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = matmul.output_head(self.embed if config.tie_word_embeddings else w("lm_head.weight"))
+        self.lm_head = matmul.output_head(self.embed if config.tie_word_embeddings else w(head), head_blocks)
         self.final_norm = w("model.norm.weight")
         self.layers: list[LlamaLayer] = []
         for i in range(config.num_layers):
@@ -53,11 +65,11 @@ class LlamaModel:
             self.layers.append(
                 LlamaLayer(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=matmul.linear(torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), bias),
-                    o=matmul.linear(w(p + "self_attn.o_proj.weight")),
+                    qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"), bias=bias),
+                    o=linear(p + "self_attn.o_proj.weight"),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=matmul.linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
-                    down=matmul.linear(w(p + "mlp.down_proj.weight")),
+                    gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down=linear(p + "mlp.down_proj.weight"),
                 )
             )
         # RoPE table for every position, computed as transformers does (fp32 inv_freq x position).

