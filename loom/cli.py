@@ -13,8 +13,14 @@ from loom.model.layer_ops import LAYER_OPS
 from loom.model.linear import MATMUL_BACKENDS, QUANTIZATIONS
 
 
-def _engine_args(p: argparse.ArgumentParser, kv_cache_gib: float) -> None:
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+def _engine_args(p: argparse.ArgumentParser, kv_cache_gib: float, one_setting: bool = True) -> None:
+    """The engine's options; with `one_setting` False (benchmarks), dtype and quantization come as lists instead."""
+    if one_setting:
+        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+        p.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
+                       help="gguf: run the GGUF file's Q4_1 / Q8_0 weights in their blocks (C++ kernel, CPU; float32 "
+                            "keeps the same outputs); auto: so where that kernel builds; none: dequantize every "
+                            "weight to --dtype")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--long-prefill-chunk-tokens", type=int, default=32,
@@ -29,16 +35,13 @@ def _engine_args(p: argparse.ArgumentParser, kv_cache_gib: float) -> None:
     p.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
     p.add_argument("--matmul-backend", default="auto", choices=list(MATMUL_BACKENDS),
                    help="packed: Loom's C++ kernel on weights packed at load (CPU); torch: F.linear")
-    p.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
-                   help="gguf: run the GGUF file's Q4_1 / Q8_0 weights in their blocks (C++ kernel, CPU; float32 "
-                        "keeps the same outputs); none: dequantize every weight to --dtype")
     p.add_argument("--layer-ops", default="auto", choices=list(LAYER_OPS),
                    help="fused: Loom's C++ kernel for a Llama layer's norm, RoPE and SwiGLU (CPU); torch: torch ops")
     p.add_argument("--threads", type=int, default=None)
 
 
-def engine_config(args: argparse.Namespace, dtype: str | None = None) -> EngineConfig:
-    """The EngineConfig that `_engine_args` describes (dtype overridable for multi-dtype benchmarks)."""
+def engine_config(args: argparse.Namespace, dtype: str | None = None, quantization: str | None = None) -> EngineConfig:
+    """The EngineConfig that `_engine_args` describes (dtype and quantization given apart in benchmarks' loops)."""
     return EngineConfig(
         model=getattr(args, "model", None),
         dtype=dtype or args.dtype,
@@ -46,7 +49,7 @@ def engine_config(args: argparse.Namespace, dtype: str | None = None) -> EngineC
         max_model_len=args.max_model_len,
         attention_backend=args.attention_backend,
         matmul_backend=args.matmul_backend,
-        quantization=args.quantization,
+        quantization=quantization or args.quantization,
         layer_ops=args.layer_ops,
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                   long_prefill_chunk_tokens=args.long_prefill_chunk_tokens),
@@ -192,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--num-requests", type=int, default=200)
     off.add_argument("--seed", type=int, default=0)
     off.add_argument("--dtypes", default="float32,bfloat16")
+    off.add_argument("--quantizations", default="auto", help="each dtype runs with each: auto, gguf, none")
     off.add_argument("--policies", default="static,continuous")
     off.add_argument("--peers", choices=["none", "hf"], default="none", help="hf: transformers generate / generate_batch")
     off.add_argument("--hf-requests", type=int, default=16, help="the peer runs on this many first requests")
@@ -199,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--plot", metavar="DIR", default=None, help="timeline, KV usage and sweep PNGs")
     off.add_argument("--trace", metavar="DIR", default=None, help="Chrome trace-event JSON per run")
     off.add_argument("--model", default=None, help="a .gguf file or HF model directory (default: bundled SmolLM2)")
-    _engine_args(off, kv_cache_gib=4.0)
+    _engine_args(off, kv_cache_gib=4.0, one_setting=False)
     off.set_defaults(func=cmd_bench_offline)
 
     pf = bsub.add_parser("perf", help="roofline figures: matmul peak, decode and prefill steps, memory; JSON lines")
@@ -215,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--kv-cache-memory", type=float, default=3.0, help="GiB")
     pf.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
     pf.add_argument("--matmul-backend", default="auto", choices=list(MATMUL_BACKENDS))
+    pf.add_argument("--quantizations", default="auto", help="each dtype runs with each: auto, gguf, none")
     pf.add_argument("--layer-ops", default="auto", choices=list(LAYER_OPS))
     pf.add_argument("--agreement-requests", type=int, default=16, help="mixed requests run in both dtypes")
     pf.add_argument("--threads", type=int, default=None)

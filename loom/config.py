@@ -76,7 +76,7 @@ class EngineConfig:
     matmul_backend: str = "auto"  # "auto" | "packed" (C++ kernel) | "torch"
     # "gguf": weights that the GGUF file stores in Q4_1 / Q8_0 blocks stay in them (C++ kernel; float32 gives the
     # same bits as "none"); "auto": so when that kernel builds; "none": every weight dequantized to `dtype`.
-    quantization: str = "none"
+    quantization: str = "auto"
     layer_ops: str = "auto"  # "auto" | "fused" (C++ kernel: norm, RoPE, SwiGLU) | "torch"
     num_threads: int | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

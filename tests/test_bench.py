@@ -140,8 +140,12 @@ def test_offline_run_holds_itself_to_its_own_matmul_peak(tiny_llama_dir, capsys)
     from loom.cli import main
 
     assert main(["bench", "offline", "--model", str(tiny_llama_dir), "--workload", "article",
-                 "--dtypes", "float32", "--policies", "continuous", "--kv-cache-memory", "0.05"]) == 0
-    (line,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]  # one dtype, one policy
-    assert line["system"] == "loom-continuous" and line["matmul_peak_gflops"] > 0
-    assert line["fraction_of_peak"] == round(line["model_gflops"] / line["matmul_peak_gflops"], 3)
-    assert line["matmul_peak_gflops"] == max(line["matmul_peak_before_after_gflops"]) > 0
+                 "--dtypes", "float32", "--quantizations", "auto,none", "--policies", "continuous",
+                 "--kv-cache-memory", "0.05"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]  # one dtype, two quantizations, one policy
+    assert [line["quantization"] for line in lines] == ["auto", "none"]
+    for line in lines:
+        assert line["system"] == "loom-continuous" and line["matmul_peak_gflops"] > 0
+        assert line["matmul_backend"] != "quantized"  # a Hugging Face directory has no GGUF blocks
+        assert line["fraction_of_peak"] == round(line["model_gflops"] / line["matmul_peak_gflops"], 3)
+        assert line["matmul_peak_gflops"] == max(line["matmul_peak_before_after_gflops"]) > 0

@@ -105,7 +105,7 @@ def test_gguf_blocks_dequantize_to_the_loaded_weights(smollm2):
 def test_gguf_weights_give_float32s_outputs_on_smollm2(smollm2):
     prompts = ["The capital of France is", "Write a haiku about rain.", "1, 2, 3, 4,", "def add(a, b):", "Hello"]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (24, 9, 17, 30, 5)]
-    dense = LLM(loaded=smollm2, max_num_seqs=3, num_kv_blocks=64)
+    dense = LLM(loaded=smollm2, max_num_seqs=3, num_kv_blocks=64, quantization="none")
     gguf = LLM(loaded=smollm2, max_num_seqs=3, num_kv_blocks=64, quantization="gguf")
     model = gguf.engine.runner.model
     assert isinstance(model.layers[0].qkv, QuantizedLinear) and model.layers[0].qkv.format == "q4_1"

@@ -9,6 +9,16 @@ from collections.abc import Callable
 
 import torch
 
+from loom.model.linear import PackedLinear, QuantizedLinear
+
+
+def matmul_backend_name(model) -> str:
+    """'quantized' (GGUF blocks), 'packed' or 'torch': how the model runs its layer matmuls."""
+    first = model.layer_linears()[0]
+    if isinstance(first, QuantizedLinear):
+        return "quantized"
+    return "packed" if isinstance(first, PackedLinear) else "torch"
+
 
 def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
     for _ in range(warmup):

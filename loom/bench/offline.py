@@ -8,11 +8,12 @@ continuous on that same subset; optionally a sweep of one scheduler limit. Greed
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
 
-from loom.bench.matmul_timing import matmul_peak
+from loom.bench.matmul_timing import matmul_backend_name, matmul_peak
 from loom.bench.workloads import BenchRequest, article_workload, mixed_workload, shared_prefix_workload
 from loom.cli import engine_config
 from loom.config import SchedulerConfig
@@ -114,8 +115,10 @@ def main(args: argparse.Namespace) -> int:
     workloads = {name: build_workload[name]() for name in names}
     plot_dir = Path(args.plot) if args.plot else None
     ok = True
-    for dtype in args.dtypes.split(","):
-        engine = LLMEngine(engine_config(args, dtype), loaded)
+    quantizations = args.quantizations.split(",")
+    for dtype, quantization in itertools.product(args.dtypes.split(","), quantizations):
+        engine = LLMEngine(engine_config(args, dtype, quantization), loaded)
+        label = dtype if quantization == "none" else f"{dtype}-{quantization}"  # in file names and titles
         # The roofline each run is held to: the best matmul FLOP/s on the model's own shapes, in this process,
         # measured before and after the run (this VM's speed drifts by tens of percent from minute to minute); the
         # higher of the two, so the fraction errs low. One run's "after" is the next one's "before".
@@ -123,7 +126,9 @@ def main(args: argparse.Namespace) -> int:
         for name in names:
             requests, seqs = workloads[name]
             results, tokens, traces = {}, {}, {}  # traces: policy -> StepTracer
-            base = {"workload": name, "dtype": dtype, "requests": len(requests), "max_num_seqs": seqs}
+            base = {"workload": name, "dtype": dtype, "quantization": quantization,
+                    "matmul_backend": matmul_backend_name(engine.runner.model), "requests": len(requests),
+                    "max_num_seqs": seqs}
             for policy in args.policies.split(","):
                 results[policy], tokens[policy], traces[policy] = run_once(
                     engine, requests, policy, seqs, args.max_num_batched_tokens)
@@ -133,7 +138,7 @@ def main(args: argparse.Namespace) -> int:
                       **results[policy], "fraction_of_peak": round(results[policy]["model_gflops"] / peak, 3)})
                 before = after
                 if args.trace:
-                    traces[policy].save_chrome_trace(Path(args.trace) / f"{name}-{dtype}-{policy}.json")
+                    traces[policy].save_chrome_trace(Path(args.trace) / f"{name}-{label}-{policy}.json")
             if {"static", "continuous"} <= set(results):
                 same = tokens["static"] == tokens["continuous"]
                 ok &= same
@@ -148,9 +153,9 @@ def main(args: argparse.Namespace) -> int:
                 from loom.bench.plots import kv_usage, slot_timeline
 
                 records = {policy: t.records for policy, t in traces.items()}
-                slot_timeline(records, seqs, plot_dir / f"timeline-{name}-{dtype}.png", f"{name} workload, {dtype}")
-                kv_usage(records, plot_dir / f"kv-{name}-{dtype}.png")
-            if args.peers == "hf" and dtype == "float32":
+                slot_timeline(records, seqs, plot_dir / f"timeline-{name}-{label}.png", f"{name} workload, {label}")
+                kv_usage(records, plot_dir / f"kv-{name}-{label}.png")
+            if args.peers == "hf" and dtype == "float32" and quantization == quantizations[0]:
                 ok &= _hf_peer(args, loaded, requests, seqs, engine, name)
         if args.sweep:
             key, values = args.sweep.split("=")
@@ -164,10 +169,11 @@ def main(args: argparse.Namespace) -> int:
                 line, _, _ = run_once(engine, requests, "continuous", limits["max_num_seqs"],
                                       limits["max_num_batched_tokens"])
                 throughput.append(line["output_tokens_per_s"])
-                emit({"workload": names[-1], "dtype": dtype, "sweep": key, key: x, **line})
+                emit({"workload": names[-1], "dtype": dtype, "quantization": quantization, "sweep": key, key: x,
+                      **line})
             if plot_dir is not None:
                 from loom.bench.plots import throughput_vs
 
-                throughput_vs(xs, {f"loom continuous ({dtype})": throughput}, key, "output tokens/s",
-                              plot_dir / f"sweep-{key}-{dtype}.png", f"throughput vs {key}")
+                throughput_vs(xs, {f"loom continuous ({label})": throughput}, key, "output tokens/s",
+                              plot_dir / f"sweep-{key}-{label}.png", f"throughput vs {key}")
     return 0 if ok else 1

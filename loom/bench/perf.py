@@ -15,6 +15,7 @@ Timings are medians of several runs; nothing here is asserted, only reported.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import signal
 import subprocess
@@ -25,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
-from loom.bench.matmul_timing import matmul_peak, matmuls_alone, median_seconds
+from loom.bench.matmul_timing import matmul_backend_name, matmul_peak, matmuls_alone, median_seconds
 from loom.bench.offline import emit, run_once
 from loom.bench.serve_client import free_loopback_port, wait_until_healthy
 from loom.bench.workloads import mixed_workload
@@ -33,13 +34,9 @@ from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.engine.batch import build_batch_metadata
 from loom.engine.engine import LLMEngine
 from loom.model.layer_ops import FusedLayerOps
-from loom.model.linear import PackedLinear, make_matmul
+from loom.model.linear import make_matmul
 from loom.model.loader import LoadedModel, load_model
 from loom.sampling import SamplingParams
-
-
-def matmul_backend_name(model) -> str:
-    return "packed" if isinstance(model.lm_head, PackedLinear) else "torch"
 
 
 def layer_ops_name(model) -> str | None:
@@ -177,10 +174,11 @@ def prefill_interference(engine: LLMEngine, budget: int, long_prefill_chunk_toke
     }
 
 
-def serve_memory(model: str | None, dtype: str, requests: int = 16) -> dict:
+def serve_memory(model: str | None, dtype: str, quantization: str, requests: int = 16) -> dict:
     """Start `loom serve`, send a burst of requests, read the process's peak resident memory (VmHWM)."""
     port = free_loopback_port()
-    cmd = [sys.executable, "-m", "loom.cli", "serve", "--port", str(port), "--dtype", dtype]
+    cmd = [sys.executable, "-m", "loom.cli", "serve", "--port", str(port), "--dtype", dtype,
+           "--quantization", quantization]
     if model:
         cmd.insert(4, model)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -195,7 +193,7 @@ def serve_memory(model: str | None, dtype: str, requests: int = 16) -> dict:
 
         with ThreadPoolExecutor(requests) as pool:
             list(pool.map(one, range(requests)))
-        return {"dtype": dtype, "requests": requests, "peak_rss_mib_after_start": round(idle_kib / 1024),
+        return {"dtype": dtype, "quantization": quantization, "requests": requests, "peak_rss_mib_after_start": round(idle_kib / 1024),
                 "peak_rss_mib": round(_vm_hwm_kib(proc.pid) / 1024)}
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -212,16 +210,17 @@ def _vm_hwm_kib(pid: int) -> int:
 def main(args: argparse.Namespace) -> int:
     loaded: LoadedModel = load_model(args.model)
     figures = set(args.figures.split(","))
-    for dtype in args.dtypes.split(","):
+    quantizations = args.quantizations.split(",")
+    for dtype, quantization in itertools.product(args.dtypes.split(","), quantizations):
         config = EngineConfig(
             dtype=dtype, num_threads=args.threads, attention_backend=args.attention_backend,
-            matmul_backend=args.matmul_backend, layer_ops=args.layer_ops,
+            matmul_backend=args.matmul_backend, quantization=quantization, layer_ops=args.layer_ops,
             scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max(2048, args.prefill_tokens)),
             cache=CacheConfig(kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), enable_prefix_caching=False),
         )
         engine = LLMEngine(config, loaded)
         backend = matmul_backend_name(engine.runner.model)
-        base = {"dtype": dtype, "threads": torch.get_num_threads(),
+        base = {"dtype": dtype, "quantization": quantization, "threads": torch.get_num_threads(),
                 "attention_backend": type(engine.runner.attention).__name__, "matmul_backend": backend,
                 "layer_ops": layer_ops_name(engine.runner.model)}
         peaks = {backend: matmul_peak(engine.runner.model)}
@@ -240,18 +239,20 @@ def main(args: argparse.Namespace) -> int:
                 for pacing in (int(c) for c in args.interference_pacing.split(",")):
                     emit({"figure": "prefill_interference", **base, **prefill_interference(engine, budget, pacing)})
         if "memory" in figures:
-            emit({"figure": "serve_memory", **serve_memory(args.model, dtype)})
+            emit({"figure": "serve_memory", **serve_memory(args.model, dtype, quantization)})
     if "agreement" in figures:
-        emit({"figure": "agreement", **dtype_agreement(loaded, args.agreement_requests)})
+        for quantization in quantizations:
+            emit({"figure": "agreement", "quantization": quantization,
+                  **dtype_agreement(loaded, args.agreement_requests, quantization)})
     return 0
 
 
-def dtype_agreement(loaded: LoadedModel, num_requests: int) -> dict:
+def dtype_agreement(loaded: LoadedModel, num_requests: int, quantization: str) -> dict:
     """Share of positions where bf16 and fp32 greedy outputs agree, and of requests identical throughout."""
     requests = mixed_workload(loaded.tokenizer, num_requests)
     outputs = {}
     for dtype in ("float32", "bfloat16"):
-        engine = LLMEngine(EngineConfig(dtype=dtype), loaded)
+        engine = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization), loaded)
         _, outputs[dtype], _ = run_once(engine, requests, "continuous", num_requests, 512)
     same_positions = total = identical = prefix = 0
     for a, b in zip(outputs["float32"], outputs["bfloat16"]):

@@ -29,7 +29,7 @@ class LLM:
         max_model_len: int | None = None,
         attention_backend: str = "auto",
         matmul_backend: str = "auto",
-        quantization: str = "none",
+        quantization: str = "auto",
         layer_ops: str = "auto",
         num_threads: int | None = None,
         enable_prefix_caching: bool = True,
