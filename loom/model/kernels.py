@@ -1,6 +1,6 @@
 """Loom's C++ CPU kernels, compiled on first use with torch.utils.cpp_extension and cached per machine.
 
-`make install` builds them (`loom.model.kernels.build()`), so a server's first start does not pay the ~3 minute
+`make install` builds them (`loom.model.kernels.build()`), so a server's first start does not pay the ~5 minute
 compile. Each kernel is its own module: if one cannot be built here (no compiler, or a CPU without AVX2 for the
 packed linear), its loader returns None and callers fall back to torch ops.
 """
