@@ -74,7 +74,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     attention_backend: str = "auto"  # "auto" | "paged" (C++ kernel) | "sdpa" | "reference" (obvious, for tests)
     matmul_backend: str = "auto"  # "auto" | "packed" (C++ kernel) | "torch"
-    # "gguf": weights that the GGUF file stores in Q4_1 / Q8_0 blocks stay in them (C++ kernel; float32 gives the
+    # "gguf": weights that the GGUF file stores in Q4_0 / Q4_1 / Q8_0 blocks stay in them (C++ kernel; float32 gives the
     # same bits as "none"); "auto": so when that kernel builds; "none": every weight dequantized to `dtype`.
     quantization: str = "auto"
     layer_ops: str = "auto"  # "auto" | "fused" (C++ kernel: norm, RoPE, SwiGLU) | "torch"

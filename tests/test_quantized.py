@@ -1,6 +1,6 @@
-"""GGUF's Q4_1 / Q8_0 weights run in their blocks: the same bits as the float32 kernel on the dequantized weights,
-whatever the batch; the loader keeps blocks that dequantize to its own weights; an engine on them gives float32's
-outputs."""
+"""GGUF's Q4_0 / Q4_1 / Q8_0 weights run in their blocks: the same bits as the float32 kernel on the dequantized
+weights, whatever the batch; the loader keeps blocks that dequantize to its own weights; an engine on them gives
+float32's outputs."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from loom.config import EngineConfig
 from loom.model.linear import QuantizedLinear, make_matmul, pack_panels, pad_to_panels
 from loom.model.quantized import QuantizedWeight, concat_rows
 
-GGML_TYPES = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+GGML_TYPES = {name: GGMLQuantizationType[name.upper()] for name in ("q4_0", "q4_1", "q8_0")}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ SHAPES = [(1, 64, 48), (1, 32, 40), (2, 96, 70), (4, 576, 960), (5, 64, 33), (7,
           (16, 32, 16), (17, 64, 48), (100, 1536, 40), (64, 576, 200), (0, 32, 16)]
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "in_features", "out_features"), SHAPES)
 def test_quantized_linear_gives_the_float32_kernels_bits(kernels, fmt, dtype, rows, in_features, out_features):
@@ -57,7 +57,7 @@ def test_quantized_linear_gives_the_float32_kernels_bits(kernels, fmt, dtype, ro
     torch.testing.assert_close(got.double(), reference, rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=1e-2)
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
 def test_quantized_rows_do_not_depend_on_the_batch(kernels, fmt):
     quantized, _ = random_quantized(fmt, 100, 576, seed=7)
     linear = QuantizedLinear.pack(quantized, None, kernels.quantized_kernel)
@@ -80,6 +80,13 @@ def test_quantized_linear_rejects_a_wrong_shape_or_format(kernels):
         QuantizedWeight("q4_1", torch.zeros(4, 21, dtype=torch.uint8))
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="int4")
+
+
+def test_a_q4_0_scale_beyond_float16_is_a_clear_error(kernels):
+    blocks = np.zeros((16, 18), dtype=np.uint8)
+    blocks[0, :2] = np.array([9000.0], dtype=np.float16).view(np.uint8)  # 8 d = 72000 > float16's 65504
+    with pytest.raises(ValueError, match="too large"):
+        QuantizedLinear.pack(QuantizedWeight("q4_0", torch.from_numpy(blocks)), None, kernels.quantized_kernel)
 
 
 def test_concat_rows_stacks_one_format_only():

@@ -193,8 +193,8 @@ def serve_memory(model: str | None, dtype: str, quantization: str, requests: int
 
         with ThreadPoolExecutor(requests) as pool:
             list(pool.map(one, range(requests)))
-        return {"dtype": dtype, "quantization": quantization, "requests": requests, "peak_rss_mib_after_start": round(idle_kib / 1024),
-                "peak_rss_mib": round(_vm_hwm_kib(proc.pid) / 1024)}
+        return {"dtype": dtype, "quantization": quantization, "requests": requests,
+                "peak_rss_mib_after_start": round(idle_kib / 1024), "peak_rss_mib": round(_vm_hwm_kib(proc.pid) / 1024)}
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)

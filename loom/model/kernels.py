@@ -95,7 +95,7 @@ def load_packed_linear(verbose: bool = False) -> ModuleType | None:
 
 
 def load_quantized_linear(verbose: bool = False) -> ModuleType | None:
-    """The compiled `quantized_linear` module (GGUF Q4_1 / Q8_0 weights), or None if it cannot be built here."""
+    """The compiled `quantized_linear` module (GGUF Q4_0 / Q4_1 / Q8_0 weights), or None if it cannot be built here."""
     return _load("loom_quantized_linear", ["quantized_linear.cpp"], verbose)
 
 

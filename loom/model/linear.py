@@ -2,8 +2,8 @@
 
 A model asks its `MatmulBackend` for one `Linear` per weight at load time and calls it in the forward; the backend
 decides whether the weight is kept as it is (torch), packed into panels for the C++ kernel (float32 and bfloat16
-weights on a CPU with AVX2), or, where the model file stores it in GGUF's Q4_1 or Q8_0 blocks and quantization is on,
-kept in those blocks for the quantized kernel. torch's matmul stays the reference: the tests compare them.
+weights on a CPU with AVX2), or, where the model file stores it in GGUF's Q4_0, Q4_1 or Q8_0 blocks and quantization
+is on, kept in those blocks for the quantized kernel. torch's matmul stays the reference: the tests compare them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.model.kernels import kernel_for, load_packed_linear, load_quantized_linear
-from loom.model.quantized import QuantizedWeight, pack_records
+from loom.model.quantized import KERNEL_FORMAT, QuantizedWeight, pack_records
 
 MATMUL_BACKENDS = ("auto", "packed", "torch")
 QUANTIZATIONS = ("auto", "gguf", "none")
@@ -105,12 +105,12 @@ class PackedLinear:
 
 @dataclass
 class QuantizedLinear:
-    """A GGUF Q4_1 / Q8_0 weight packed once into 16-row panels for the quantized kernel, which dequantizes as it
-    goes: float32 activations give the bits that PackedLinear gives on the dequantized weight, from 5 (Q4_1) or 8.5
-    (Q8_0) bits a weight read instead of 16 or 32."""
+    """A GGUF Q4_0 / Q4_1 / Q8_0 weight packed once into 16-row panels for the quantized kernel, which dequantizes as
+    it goes: float32 activations give the bits that PackedLinear gives on the dequantized weight, from 4.5 (Q4_0), 5
+    (Q4_1) or 8.5 (Q8_0) bits a weight read instead of 16 or 32."""
 
     records: torch.Tensor
-    format: str
+    format: str  # the kernel's record layout, "q4_1" or "q8_0" (KERNEL_FORMAT)
     in_features: int
     out_features: int
     bias: torch.Tensor | None  # float32, padded to whole panels (pad_to_panels)
@@ -119,7 +119,8 @@ class QuantizedLinear:
     @classmethod
     def pack(cls, weight: QuantizedWeight, bias: torch.Tensor | None, kernel: ModuleType) -> QuantizedLinear:
         padded_bias = None if bias is None else pad_to_panels(bias)
-        return cls(pack_records(weight), weight.format, weight.in_features, weight.out_features, padded_bias, kernel)
+        return cls(pack_records(weight), KERNEL_FORMAT[weight.format], weight.in_features, weight.out_features,
+                   padded_bias, kernel)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:

@@ -1,7 +1,7 @@
 """Load weights, architecture and tokenizer from a GGUF file (default: the bundled SmolLM2) or an HF directory.
 
-GGUF tensors are dequantized with the `gguf` package and renamed to Hugging Face names; weights stored in Q4_1 or
-Q8_0 blocks are also kept as those blocks, for the quantized kernel. Parsing a GGUF header and dequantizing cost
+GGUF tensors are dequantized with the `gguf` package and renamed to Hugging Face names; weights stored in Q4_0,
+Q4_1 or Q8_0 blocks are also kept as those blocks, for the quantized kernel. Parsing a GGUF header and dequantizing cost
 several seconds, so the result is cached once as safetensors (under $LOOM_CACHE_DIR, default ~/.cache/loom) keyed by
 the file's path, size and mtime; later loads read the cache.
 """
@@ -35,7 +35,7 @@ _QUANTIZED_TAG = "#"  # a cached tensor "name#q4_1" holds weight `name` in its G
 @dataclass
 class LoadedModel:
     """Everything read from disk: weights under HF names (float32), the architecture, the tokenizer; and from a GGUF
-    file, the weights it stores in Q4_1 / Q8_0 blocks once more, as those blocks."""
+    file, the weights it stores in Q4_0 / Q4_1 / Q8_0 blocks once more, as those blocks."""
 
     name: str
     config: ModelConfig
@@ -251,34 +251,34 @@ def _read_gguf(path: Path) -> LoadedModel:
 
     reader = GGUFReader(str(path))
 
-    def field(key: str, default: object = None) -> object:
+    def metadata(key: str, default: object = None) -> object:
         f = reader.get_field(key)
         return default if f is None else f.contents()
 
-    arch = field("general.architecture")
+    arch = metadata("general.architecture")
     if arch not in ("llama", "qwen2"):
         raise ValueError(f"GGUF architecture {arch!r} is not supported (llama, qwen2)")
-    heads = int(field(f"{arch}.attention.head_count"))
-    kv_heads = int(field(f"{arch}.attention.head_count_kv", heads))
-    hidden = int(field(f"{arch}.embedding_length"))
-    tokens = field("tokenizer.ggml.tokens")
+    heads = int(metadata(f"{arch}.attention.head_count"))
+    kv_heads = int(metadata(f"{arch}.attention.head_count_kv", heads))
+    hidden = int(metadata(f"{arch}.embedding_length"))
+    tokens = metadata("tokenizer.ggml.tokens")
     names = {t.name for t in reader.tensors}
-    eos = _eos_ids(field("tokenizer.ggml.eos_token_id"))
+    eos = _eos_ids(metadata("tokenizer.ggml.eos_token_id"))
     config = ModelConfig(
         arch="llama",
         vocab_size=len(tokens),
         hidden_size=hidden,
-        num_layers=int(field(f"{arch}.block_count")),
+        num_layers=int(metadata(f"{arch}.block_count")),
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=int(field(f"{arch}.attention.key_length", hidden // heads)),
-        intermediate_size=int(field(f"{arch}.feed_forward_length")),
-        max_position_embeddings=int(field(f"{arch}.context_length")),
-        norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        head_dim=int(metadata(f"{arch}.attention.key_length", hidden // heads)),
+        intermediate_size=int(metadata(f"{arch}.feed_forward_length")),
+        max_position_embeddings=int(metadata(f"{arch}.context_length")),
+        norm_eps=float(metadata(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(metadata(f"{arch}.rope.freq_base", 10000.0)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
-        bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        bos_token_id=metadata("tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos,
     )
 
@@ -306,16 +306,16 @@ def _read_gguf(path: Path) -> LoadedModel:
     weights = {name: w for name, w, _ in converted}
     quantized = {name: blocks for name, _, blocks in converted if blocks is not None}
 
-    if field("tokenizer.ggml.model") != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {field('tokenizer.ggml.model')!r} is not supported (gpt2 BPE)")
+    if metadata("tokenizer.ggml.model") != "gpt2":
+        raise ValueError(f"GGUF tokenizer model {metadata('tokenizer.ggml.model')!r} is not supported (gpt2 BPE)")
     tokenizer = Tokenizer.from_gguf_vocab(
         tokens=list(tokens),
-        token_types=list(field("tokenizer.ggml.token_type")),
-        merges=list(field("tokenizer.ggml.merges")),
-        pre=str(field("tokenizer.ggml.pre", "default")),
+        token_types=list(metadata("tokenizer.ggml.token_type")),
+        merges=list(metadata("tokenizer.ggml.merges")),
+        pre=str(metadata("tokenizer.ggml.pre", "default")),
         bos_token_id=config.bos_token_id,
         eos_token_ids=eos,
-        add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),
-        chat_template=field("tokenizer.chat_template"),
+        add_bos=bool(metadata("tokenizer.ggml.add_bos_token", False)),
+        chat_template=metadata("tokenizer.chat_template"),
     )
     return LoadedModel(path.stem, config, weights, tokenizer, quantized)

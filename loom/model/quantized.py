@@ -1,9 +1,10 @@
-"""GGUF's quantized weights (Q4_1, Q8_0) kept as the file stores them, and repacked for Loom's quantized kernel.
+"""GGUF's quantized weights (Q4_0, Q4_1, Q8_0) kept as the file stores them, and repacked for Loom's quantized kernel.
 
 A GGUF row of a [out, in] weight is a run of blocks, each 32 weights with a float16 scale d (and for Q4_1 a float16
-offset m): Q4_1 stores 4-bit codes q (w = d q + m, 20 bytes a block), Q8_0 signed bytes (w = d q, 34 bytes). The
-kernel (csrc/quantized_linear.cpp) wants panels of 16 output rows with each block's 16 scales, 16 offsets and codes
-side by side; `pack_records` builds that layout once, at model load.
+offset m): Q4_0 stores 4-bit codes q (w = d (q - 8), 18 bytes a block), Q4_1 too (w = d q + m, 20 bytes), Q8_0
+signed bytes (w = d q, 34 bytes). The kernel (csrc/quantized_linear.cpp) wants panels of 16 output rows with each
+block's 16 scales, 16 offsets and codes side by side; `pack_records` builds that layout once, at model load. Q4_0
+runs as Q4_1 with m = -8 d: d q and 8 d are exact in float32, so fma(q, d, -8 d) is exactly gguf's d (q - 8).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import numpy as np
 import torch
 
 BLOCK = 32  # weights per GGUF block, along in_features
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # one block as GGUF stores it
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}  # one block as GGUF stores it
+KERNEL_FORMAT = {"q4_0": "q4_1", "q4_1": "q4_1", "q8_0": "q8_0"}  # the kernel's record layout for each format
 RECORD_BYTES = {"q4_1": 320, "q8_0": 544}  # one block of a 16-row panel as the kernel reads it
 PANEL_ROWS = 16
 
@@ -23,7 +25,7 @@ PANEL_ROWS = 16
 class QuantizedWeight:
     """A [out_features, in_features] weight in GGUF's blocks: `blocks` is uint8 [out_features, in / 32 * bytes]."""
 
-    format: str  # "q4_1" | "q8_0"
+    format: str  # "q4_0" | "q4_1" | "q8_0"
     blocks: torch.Tensor
 
     def __post_init__(self) -> None:
@@ -52,7 +54,7 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
 
 def pack_records(weight: QuantizedWeight) -> torch.Tensor:
     """uint8 [ceil(out / 16), in / 32, record bytes]: panel p, block b holds rows 16p..16p+15 (zero-padded: d = m = 0
-    gives weights of 0) of block b, as csrc/quantized_linear.cpp documents."""
+    gives weights of 0) of block b, in the layout of KERNEL_FORMAT[format] that csrc/quantized_linear.cpp documents."""
     fmt, out_features = weight.format, weight.out_features
     num_blocks = weight.in_features // BLOCK
     num_panels = -(-out_features // PANEL_ROWS)
@@ -61,14 +63,24 @@ def pack_records(weight: QuantizedWeight) -> torch.Tensor:
     # [panel, block, column, bytes]: the 16 rows of a panel become the 16 columns of each record.
     raw = raw.reshape(num_panels, PANEL_ROWS, num_blocks, -1).transpose(0, 2, 1, 3)
     scales = raw[..., 0:2].reshape(num_panels, num_blocks, 2 * PANEL_ROWS)  # d of columns 0-15, float16 bytes
-    if fmt == "q4_1":
-        offsets = raw[..., 2:4].reshape(num_panels, num_blocks, 2 * PANEL_ROWS)
-        packed = raw[..., 4:]  # byte j: weight j in the low nibble, weight j + 16 in the high one
+    if fmt == "q8_0":
+        codes = raw[..., 2:].transpose(0, 1, 3, 2)  # int8 codes [panel, block, k, column]
+        parts = [scales, codes.reshape(num_panels, num_blocks, -1)]
+    else:
+        offsets = _minus_8d(raw[..., 0:2]) if fmt == "q4_0" else raw[..., 2:4]  # m of columns 0-15
+        packed = raw[..., BLOCK_BYTES[fmt] - 16:]  # byte j: weight j in the low nibble, weight j + 16 in the high one
         codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # [panel, block, column, k]
         codes = codes.transpose(0, 1, 3, 2)  # [panel, block, k, column]
         step_bytes = codes[..., :8] | (codes[..., 8:] << 4)  # byte c of step k: column c, column c + 8 above it
-        parts = [scales, offsets, step_bytes.reshape(num_panels, num_blocks, -1)]
-    else:
-        codes = raw[..., 2:].transpose(0, 1, 3, 2)  # int8 codes [panel, block, k, column]
-        parts = [scales, codes.reshape(num_panels, num_blocks, -1)]
+        parts = [scales, offsets.reshape(num_panels, num_blocks, -1), step_bytes.reshape(num_panels, num_blocks, -1)]
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)))
+
+
+def _minus_8d(scale_bytes: np.ndarray) -> np.ndarray:
+    """Q4_0's offsets as Q4_1 stores them: float16 -8 d, as bytes; exact unless 8 d overflows float16."""
+    d = np.ascontiguousarray(scale_bytes).view(np.float16).astype(np.float32)
+    with np.errstate(over="ignore"):  # an overflow is refused just below
+        minus_8d = (-8 * d).astype(np.float16)
+    if not np.isfinite(minus_8d).all():
+        raise ValueError("a Q4_0 scale is too large to run as Q4_1 (|8 d| beyond float16)")
+    return minus_8d.view(np.uint8)

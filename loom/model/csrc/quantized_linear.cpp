@@ -1,7 +1,9 @@
 // Linear layers y = x W^T with W kept in GGUF's quantized blocks (32 weights along k share a float16 scale d, and for
 // Q4_1 a float16 offset m): Q4_1 (w = d q + m, q in 0..15, 5 bits a weight) and Q8_0 (w = d q, q in -128..127, 8.5
-// bits). A decode step reads every weight once and little else, so at a few rows the time is the weights' bytes over
-// memory bandwidth: 5 bits instead of bfloat16's 16 or float32's 32.
+// bits); Q4_0 comes as Q4_1 with m = -8 d (loom/model/quantized.py). A decode step reads every weight once and does
+// little else with it, so at a few rows the time goes mostly to reading weights: 5 bits each instead of bfloat16's 16
+// or float32's 32 (at one row the dequantizing now costs about as much as the reading: 7.3 G weights/s from memory on
+// one thread here, 10-13 G/s from L2).
 //
 // Same numbers as the float32 kernel on the dequantized weights, to the bit: d q is exact in float32 (an 11-bit
 // significand times a 4- or 8-bit integer), so fma(q, d, m) rounds once, as gguf's dequantize does with d q + m; and
@@ -28,7 +30,7 @@ namespace {
 
 using namespace loom::packed;
 
-constexpr int64_t kBlock = 32;     // weights along k per GGUF block
+constexpr int64_t kBlock = 32;      // weights along k per GGUF block
 constexpr int64_t kFusedRows = 16;  // up to this many rows dequantize in registers (see quantized_linear_impl)
 
 // A record's 16 scales and offsets as float32, columns 0-7 and 8-15.
@@ -231,6 +233,6 @@ torch::Tensor quantized_linear(const torch::Tensor& x_in, const torch::Tensor& r
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantized_linear", &quantized_linear,
-        "x @ W^T (+ bias) with W in GGUF Q4_1 or Q8_0 blocks, packed in 16-column panels (CPU, AVX2)", py::arg("x"),
-        py::arg("records"), py::arg("format"), py::arg("out_features"), py::arg("bias") = py::none());
+        "x @ W^T (+ bias) with W in GGUF Q4_1 or Q8_0 blocks (Q4_0 as Q4_1), packed in 16-column panels (CPU, AVX2)",
+        py::arg("x"), py::arg("records"), py::arg("format"), py::arg("out_features"), py::arg("bias") = py::none());
 }
