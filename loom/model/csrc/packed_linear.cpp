@@ -58,9 +58,8 @@ void packed_linear_impl(const X* x, const W* panels, const float* bias, X* y, in
 // x's dtype.
 torch::Tensor packed_linear(const torch::Tensor& x_in, const torch::Tensor& panels, int64_t out_features,
                             const std::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x_in.device().is_cpu() && panels.device().is_cpu(), "packed_linear runs on CPU");
-  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == torch::kFloat32 || x_in.scalar_type() == torch::kBFloat16),
-              "x must be a float32 or bfloat16 [rows, in_features] tensor");
+  check_x(x_in, "packed_linear");
+  TORCH_CHECK(panels.device().is_cpu(), "packed_linear runs on CPU");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous(),
               "panels must be a contiguous [num_panels, in_features, 16] tensor");
   TORCH_CHECK(panels.scalar_type() == torch::kFloat32 || panels.scalar_type() == torch::kBFloat16,
@@ -68,12 +67,7 @@ torch::Tensor packed_linear(const torch::Tensor& x_in, const torch::Tensor& pane
   TORCH_CHECK(panels.size(1) == x_in.size(1), "x has ", x_in.size(1), " features, the weight expects ",
               panels.size(1));
   TORCH_CHECK(panels.size(0) == (out_features + kPanel - 1) / kPanel, "out_features does not match the panels");
-  if (bias) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == panels.size(0) * kPanel && bias->is_contiguous() &&
-                    bias->scalar_type() == torch::kFloat32,
-                "bias must be float32, zero-padded to whole panels (see loom/model/linear.py)");
-  }
-  const float* bias_data = bias ? bias->data_ptr<float>() : nullptr;
+  const float* bias_data = checked_bias(bias, panels.size(0));
   const auto x = x_in.contiguous();
   const int64_t rows = x.size(0), in_features = x.size(1);
   auto y = torch::empty({rows, out_features}, x.options());

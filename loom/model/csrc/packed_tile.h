@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -112,6 +113,22 @@ int64_t tile_rows(int64_t rows, int64_t full_panels, const float* x, int64_t in_
   }
 }
 
+
+// The checks both kernels make on x: float32 or bfloat16 [rows, in_features] on CPU; `kernel` names the caller.
+inline void check_x(const torch::Tensor& x, const char* kernel) {
+  TORCH_CHECK(x.device().is_cpu(), kernel, " runs on CPU");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "x must be a float32 or bfloat16 [rows, in_features] tensor");
+}
+
+// The bias as the kernels add it: null, or float32 zero-padded to `num_panels` whole panels.
+inline const float* checked_bias(const std::optional<torch::Tensor>& bias, int64_t num_panels) {
+  if (!bias) return nullptr;
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == num_panels * kPanel && bias->is_contiguous() &&
+                  bias->scalar_type() == torch::kFloat32,
+              "bias must be float32, zero-padded to whole panels (see loom/model/linear.py)");
+  return bias->data_ptr<float>();
+}
 
 // Runs `block(m0, block_rows, x_block)` over x's rows in blocks small enough (kBlockBytes of float32) to stay in L2
 // while every panel passes over them; x_block is float32, widened from bfloat16 when X is.

@@ -196,9 +196,8 @@ void quantized_linear_impl(const X* x, const uint8_t* records, const float* bias
 // out_features] of x's dtype.
 torch::Tensor quantized_linear(const torch::Tensor& x_in, const torch::Tensor& records, const std::string& format,
                                int64_t out_features, const std::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x_in.device().is_cpu() && records.device().is_cpu(), "quantized_linear runs on CPU");
-  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == torch::kFloat32 || x_in.scalar_type() == torch::kBFloat16),
-              "x must be a float32 or bfloat16 [rows, in_features] tensor");
+  check_x(x_in, "quantized_linear");
+  TORCH_CHECK(records.device().is_cpu(), "quantized_linear runs on CPU");
   TORCH_CHECK(format == "q4_1" || format == "q8_0", "format must be 'q4_1' or 'q8_0', not '", format, "'");
   const int64_t record_bytes = format == "q4_1" ? Q4_1::kRecordBytes : Q8_0::kRecordBytes;
   TORCH_CHECK(records.dim() == 3 && records.scalar_type() == torch::kUInt8 && records.is_contiguous() &&
@@ -207,12 +206,7 @@ torch::Tensor quantized_linear(const torch::Tensor& x_in, const torch::Tensor& r
   TORCH_CHECK(records.size(1) * kBlock == x_in.size(1), "x has ", x_in.size(1), " features, the weight expects ",
               records.size(1) * kBlock);
   TORCH_CHECK(records.size(0) == (out_features + kPanel - 1) / kPanel, "out_features does not match the records");
-  if (bias) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == records.size(0) * kPanel && bias->is_contiguous() &&
-                    bias->scalar_type() == torch::kFloat32,
-                "bias must be float32, zero-padded to whole panels (see loom/model/linear.py)");
-  }
-  const float* bias_data = bias ? bias->data_ptr<float>() : nullptr;
+  const float* bias_data = checked_bias(bias, records.size(0));
   const auto x = x_in.contiguous();
   const int64_t rows = x.size(0), in_features = x.size(1);
   auto y = torch::empty({rows, out_features}, x.options());
