@@ -58,6 +58,31 @@ def test_kernel_matches_obvious_attention(kernel, dtype, heads, kv_heads, head_d
     torch.testing.assert_close(few.float(), expected[4:6], atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_contexts_are_chunked_with_the_same_bits_in_any_batch(kernel, dtype):
+    """Contexts past 512 tokens are attended in chunks merged at the end (so one long sequence keeps every thread
+    busy); the chunks depend on the length alone, so a sequence gets the same bits alone and in a batch of 20."""
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    lens = torch.tensor([513, 600, 512, 1100, 5, 1024, 300, 1, 90, 1537] * 2)  # 1-4 chunks of 512
+    seqs, max_blocks = len(lens), 1537 // block_size + 2
+    num_blocks = seqs * max_blocks + 1
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    tables = (torch.randperm(num_blocks - 1, generator=gen)[: seqs * max_blocks] + 1).view(seqs, max_blocks)
+    q = torch.randn(seqs, heads, head_dim, generator=gen).to(dtype)
+    batch = torch.full_like(q, float("nan"))
+    kernel.decode_attention(q, k_cache, v_cache, tables, lens, batch, head_dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(batch.float(), obvious_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5),
+                               atol=tol, rtol=tol)
+    for i in range(10):
+        alone = torch.full_like(q[i:i + 1], float("nan"))
+        kernel.decode_attention(q[i:i + 1].contiguous(), k_cache, v_cache, tables[i:i + 1], lens[i:i + 1], alone,
+                                head_dim**-0.5)
+        assert torch.equal(alone, batch[i:i + 1]), f"context {int(lens[i])}"
+
+
 def test_kernel_rejects_bad_lengths(kernel):
     q = torch.zeros(2, 2, 8)
     cache = torch.zeros(4, 2, 1, 8)

@@ -34,7 +34,7 @@ def random_quantized(fmt: str, out_features: int, in_features: int, seed: int) -
     return QuantizedWeight(fmt, torch.from_numpy(np.ascontiguousarray(blocks))), dense
 
 
-# (rows, in_features, out_features): 1-16 rows dequantize in registers (one row over two panels, tiles split evenly),
+# (rows, in_features, out_features): 1-16 rows dequantize in registers (one row over three panels, even tiles),
 # more go through a float32 panel; partial last panels; several blocks of rows (42 rows at 1536 features); no rows.
 SHAPES = [(1, 64, 48), (1, 32, 40), (2, 96, 70), (4, 576, 960), (5, 64, 33), (7, 128, 23), (13, 64, 257),
           (16, 32, 16), (17, 64, 48), (100, 1536, 40), (64, 576, 200), (0, 32, 16)]

@@ -17,7 +17,6 @@ import torch
 BLOCK = 32  # weights per GGUF block, along in_features
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}  # one block as GGUF stores it
 KERNEL_FORMAT = {"q4_0": "q4_1", "q4_1": "q4_1", "q8_0": "q8_0"}  # the kernel's record layout for each format
-RECORD_BYTES = {"q4_1": 320, "q8_0": 544}  # one block of a 16-row panel as the kernel reads it
 PANEL_ROWS = 16
 
 
@@ -31,9 +30,9 @@ class QuantizedWeight:
     def __post_init__(self) -> None:
         if self.format not in BLOCK_BYTES:
             raise ValueError(f"quantized format must be one of {sorted(BLOCK_BYTES)}, got {self.format!r}")
-        if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 or self.blocks.shape[1] % BLOCK_BYTES[
-                self.format]:
-            raise ValueError(f"{self.format} blocks must be uint8 [rows, a multiple of {BLOCK_BYTES[self.format]}]")
+        block_bytes = BLOCK_BYTES[self.format]
+        if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 or self.blocks.shape[1] % block_bytes:
+            raise ValueError(f"{self.format} blocks must be uint8 [rows, a multiple of {block_bytes}]")
 
     @property
     def out_features(self) -> int:

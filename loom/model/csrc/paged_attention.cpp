@@ -1,6 +1,7 @@
 // Decode attention straight from the paged KV cache: one query token per sequence, every sequence of the step in
-// one call. A work item is a sequence (or, with few sequences, one KV head of one): its keys and values are read
-// once each, through the block table, row after row in token order, for all query heads. Each KV head's part of a
+// one call. A work item is a sequence (or, with few sequences, one KV head of one; a context longer than 512 tokens
+// goes in chunks of 512, merged at the end): its keys and values are read once each, through the block table, row
+// after row in token order, for all query heads. Each KV head's part of a
 // row is loaded into registers once for the query heads of its GQA group, bfloat16 widened as it is loaded; nothing
 // is gathered into a temporary. Scores: each head's dot products of eight tokens are summed across lanes together
 // (one transpose, vec.h) instead of one horizontal sum per token and head. Math in float32.
@@ -16,6 +17,7 @@
 #include "vec.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -48,8 +50,10 @@ struct HeadRange {
 template <typename T, typename R>
 class RowWalker {
  public:
-  RowWalker(const T* cache, const int64_t* table, int64_t len, HeadRange heads, const PagedGeometry& g)
-      : cache_(cache + heads.first * g.head_dim), table_(table), len_(len), heads_(heads.count()), g_(g) {}
+  // Rows from token `begin` on, of a context of `len` tokens.
+  RowWalker(const T* cache, const int64_t* table, int64_t begin, int64_t len, HeadRange heads, const PagedGeometry& g)
+      : cache_(cache + heads.first * g.head_dim), table_(table), len_(len), heads_(heads.count()), g_(g),
+        block_(begin / g.block_size), offset_(begin % g.block_size) {}
 
   const R* next(float* buffer) {
     const int64_t block_elems = g_.block_size * g_.row_size;
@@ -76,10 +80,20 @@ class RowWalker {
   const int64_t* table_;
   int64_t len_, heads_;
   const PagedGeometry& g_;
-  int64_t block_ = 0, offset_ = 0;
+  int64_t block_, offset_;
 };
 
 constexpr int64_t kMaxHeadVecs = 32;  // head sizes up to 256
+// Contexts longer than this are attended in chunks of it (see decode_attention_impl), for every batch alike.
+constexpr int64_t kChunkTokens = 512;
+
+// A chunk's results before the merge, for each query head of its item: the value sums, unnormalized
+// ([head][head_dim]), the chunk's maximum score and its sum of exp(score - maximum).
+struct Partial {
+  float* acc;
+  float* max;
+  float* sum;
+};
 
 // Per-thread scratch, sized for a whole sequence at the step's longest context.
 struct DecodeScratch {
@@ -100,10 +114,13 @@ struct DecodeScratch {
 // for the query heads of its group, and each head's dot products of eight tokens are summed across lanes together
 // (one transpose instead of eight horizontal sums). Then the softmax, then values token by token, again loaded
 // once per group. VECS > 0 fixes the vectors per head at compile time, so their loops unroll into registers.
+// Tokens [begin, end) of a context of `context` tokens: the whole context goes to `out`, a chunk to `partial`.
 template <typename T, typename R, int64_t VECS>
-void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,
-                   HeadRange heads, T* out, const PagedGeometry& g, DecodeScratch& scratch) {
+void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t begin,
+                   int64_t end, int64_t context, HeadRange heads, T* out, const Partial* partial,
+                   const PagedGeometry& g, DecodeScratch& scratch) {
   const int64_t group = g.group(), num_q = heads.count() * group;
+  const int64_t len = end - begin;
   const int64_t vecs = VECS > 0 ? VECS : g.padded_dim() / kLanes;
   const int64_t padded_len = round_up(len, kLanes);
   const int64_t head_stride = std::is_same_v<R, T> ? g.head_dim : g.padded_dim();  // between KV heads in a row
@@ -119,7 +136,7 @@ void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
       qf[d] = d < g.head_dim ? widen(q_first[h * g.head_dim + d]) * g.scale : 0.f;
   }
 
-  RowWalker<T, R> keys(k_cache, table, len, heads, g);
+  RowWalker<T, R> keys(k_cache, table, begin, context, heads, g);
   Vec part[kMaxHeadVecs];
   for (int64_t t0 = 0; t0 < padded_len; t0 += kLanes) {
     for (int t = 0; t < kLanes; ++t) {
@@ -153,17 +170,22 @@ void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
     auto in_context = [&](int64_t t0) { return lane + static_cast<float>(t0) < static_cast<float>(len); };
     for (int64_t t0 = 0; t0 < padded_len; t0 += kLanes)  // positions past the context are masked
       m = vmax(m, in_context(t0) ? load(s + t0) : splat(kMasked));
-    const Vec max = splat(loom::max_lanes(m));
+    const float max = loom::max_lanes(m);
     Vec sum = Vec{};
     for (int64_t t0 = 0; t0 < padded_len; t0 += kLanes) {
       const Vec p = in_context(t0) ? exp_nonpositive(load(s + t0) - max) : Vec{};
       std::memcpy(s + t0, &p, sizeof p);
       sum += p;
     }
-    inv_sum[h] = 1.f / loom::sum_lanes(sum);
+    if (partial) {
+      partial->max[h] = max;
+      partial->sum[h] = loom::sum_lanes(sum);
+    } else {
+      inv_sum[h] = 1.f / loom::sum_lanes(sum);
+    }
   }
 
-  RowWalker<T, R> values(v_cache, table, len, heads, g);
+  RowWalker<T, R> values(v_cache, table, begin, context, heads, g);
   std::fill(acc, acc + num_q * vecs, Vec{});
   for (int64_t t = 0; t < len; ++t) {
     const R* row = values.next(scratch.row.data());
@@ -181,7 +203,33 @@ void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
   T* out_first = out + heads.first * group * g.head_dim;
   for (int64_t h = 0; h < num_q; ++h) {
     const float* a = reinterpret_cast<const float*>(acc + h * vecs);
-    for (int64_t d = 0; d < g.head_dim; ++d) out_first[h * g.head_dim + d] = T(a[d] * inv_sum[h]);
+    if (partial) {
+      std::copy(a, a + g.head_dim, partial->acc + h * g.head_dim);
+    } else {
+      for (int64_t d = 0; d < g.head_dim; ++d) out_first[h * g.head_dim + d] = T(a[d] * inv_sum[h]);
+    }
+  }
+}
+
+// One sequence's output from its chunks' partials (`chunks` of them, for all heads), merged in chunk order:
+// each chunk's sums rescaled by exp(its maximum - the overall maximum).
+template <typename T>
+void merge_chunks(const float* acc, const float* max, const float* sum, int64_t chunks, T* out,
+                  const PagedGeometry& g) {
+  std::vector<float> merged(g.head_dim);
+  for (int64_t h = 0; h < g.num_heads; ++h) {
+    float overall = max[h];
+    for (int64_t c = 1; c < chunks; ++c) overall = std::max(overall, max[c * g.num_heads + h]);
+    float total = 0.f;
+    std::fill(merged.begin(), merged.end(), 0.f);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float scale = std::exp(max[c * g.num_heads + h] - overall);
+      total += sum[c * g.num_heads + h] * scale;
+      const float* a = acc + (c * g.num_heads + h) * g.head_dim;
+      for (int64_t d = 0; d < g.head_dim; ++d) merged[d] += a[d] * scale;
+    }
+    const float inv_total = 1.f / total;
+    for (int64_t d = 0; d < g.head_dim; ++d) out[h * g.head_dim + d] = T(merged[d] * inv_total);
   }
 }
 
@@ -190,21 +238,32 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
                            const int64_t* context_lens, T* out, int64_t num_seqs, int64_t max_len,
                            const PagedGeometry& g) {
   // A work item is a whole sequence, so that each token's row (all KV heads) is read in one piece; with fewer
-  // sequences than a few per thread, one KV head of a sequence, so that every thread has work. Longest contexts
-  // first for an even split; handed out one at a time.
+  // sequences than a few per thread, one KV head of a sequence, so that every thread has work. A context longer
+  // than kChunkTokens is cut into chunks of that many tokens, each its own item, merged at the end: so one long
+  // sequence is read by all threads. The chunks depend on the context length alone, never on the batch, so a
+  // sequence gets the same bits in any batch. Longest first for an even split; handed out one at a time.
   const int64_t threads = at::get_num_threads();
   const int64_t split = num_seqs < 4 * threads ? g.num_kv_heads : 1;
   struct Item {
-    int64_t seq;
+    int64_t seq, begin, end, chunk;  // chunk: its index among all chunks of chunked sequences, or -1
     HeadRange heads;
   };
   std::vector<Item> items;
-  items.reserve(num_seqs * split);
-  for (int64_t seq = 0; seq < num_seqs; ++seq)
-    for (int64_t part = 0; part < split; ++part)
-      items.push_back({seq, {part * g.num_kv_heads / split, (part + 1) * g.num_kv_heads / split}});
+  std::vector<int64_t> first_chunk(num_seqs, -1);  // a chunked sequence's first chunk index
+  int64_t num_chunks = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t len = context_lens[seq], chunks = (len + kChunkTokens - 1) / kChunkTokens;
+    if (chunks > 1) first_chunk[seq] = num_chunks, num_chunks += chunks;
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t part = 0; part < split; ++part)
+        items.push_back({seq, c * kChunkTokens, std::min(len, (c + 1) * kChunkTokens),
+                         chunks > 1 ? first_chunk[seq] + c : -1,
+                         {part * g.num_kv_heads / split, (part + 1) * g.num_kv_heads / split}});
+  }
   std::stable_sort(items.begin(), items.end(),
-                   [&](const Item& a, const Item& b) { return context_lens[a.seq] > context_lens[b.seq]; });
+                   [](const Item& a, const Item& b) { return a.end - a.begin > b.end - b.begin; });
+  std::vector<float> chunk_acc(num_chunks * g.num_heads * g.head_dim), chunk_max(num_chunks * g.num_heads),
+      chunk_sum(num_chunks * g.num_heads);
   // Rows in place where vec.h can load them (float32, bfloat16) as whole vectors; copied otherwise.
   auto attend = attend_decode<T, float, 0>;
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
@@ -214,12 +273,25 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
                                              : attend_decode<T, T, 0>;
   }
   loom::for_each_item(
-      static_cast<int64_t>(items.size()), [&] { return DecodeScratch(g, max_len); },
+      static_cast<int64_t>(items.size()), [&] { return DecodeScratch(g, std::min(max_len, kChunkTokens)); },
       [&](int64_t i, DecodeScratch& scratch) {
         const Item& it = items[i];
+        Partial partial{};
+        if (it.chunk >= 0) {
+          const int64_t first = it.chunk * g.num_heads + it.heads.first * g.group();  // the item's first head
+          partial = {chunk_acc.data() + first * g.head_dim, chunk_max.data() + first, chunk_sum.data() + first};
+        }
         attend(q + it.seq * g.num_heads * g.head_dim, k_cache, v_cache, block_tables + it.seq * g.max_blocks,
-               context_lens[it.seq], it.heads, out + it.seq * g.num_heads * g.head_dim, g, scratch);
+               it.begin, it.end, context_lens[it.seq], it.heads, out + it.seq * g.num_heads * g.head_dim,
+               it.chunk < 0 ? nullptr : &partial, g, scratch);
       });
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t c = first_chunk[seq];
+    if (c < 0) continue;
+    merge_chunks(chunk_acc.data() + c * g.num_heads * g.head_dim, chunk_max.data() + c * g.num_heads,
+                 chunk_sum.data() + c * g.num_heads, (context_lens[seq] + kChunkTokens - 1) / kChunkTokens,
+                 out + seq * g.num_heads * g.head_dim, g);
+  }
 }
 
 }  // namespace
