@@ -1,10 +1,10 @@
 // Decode attention straight from the paged KV cache: one query token per sequence, every sequence of the step in
 // one call. A work item is a sequence (or, with few sequences, one KV head of one; a context longer than 512 tokens
 // goes in chunks of 512, merged at the end): its keys and values are read once each, through the block table, row
-// after row in token order, for all query heads. Each KV head's part of a
-// row is loaded into registers once for the query heads of its GQA group, bfloat16 widened as it is loaded; nothing
-// is gathered into a temporary. Scores: each head's dot products of eight tokens are summed across lanes together
-// (one transpose, vec.h) instead of one horizontal sum per token and head. Math in float32.
+// after row in token order, for all query heads. Each KV head's part of a row is loaded into registers once for the
+// query heads of its GQA group, bfloat16 widened as it is loaded; nothing is gathered into a temporary. Scores: each
+// head's dot products of eight tokens are summed across lanes together (one transpose, vec.h) instead of one
+// horizontal sum per token and head. Math in float32.
 //
 // Tried and slower here: computing eight rows at a time straight from the cache (the interleaved reads lost the
 // hardware prefetchers: 1.5-2.5x slower from memory), and widening a sequence's rows into a buffer first (its reads
@@ -95,7 +95,7 @@ struct Partial {
   float* sum;
 };
 
-// Per-thread scratch, sized for a whole sequence at the step's longest context.
+// Per-thread scratch, sized for the step's longest context or chunk.
 struct DecodeScratch {
   std::vector<Vec> q, acc, dots;  // [head][vectors], [head][vectors], [head][kLanes tokens]
   std::vector<float> scores;      // [head][len rounded up to kLanes]
