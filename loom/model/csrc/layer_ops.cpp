@@ -86,8 +86,8 @@ void silu_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t width) {
       const T* up = gate + width;
       T* orow = out + r * width;
       for (int64_t i = 0; i < width; ++i) {
-        const float g = widen(gate[i]);
-        orow[i] = narrow<T>(rounded<T>(g / (1.f + std::exp(-g))) * widen(up[i]));
+        const double g = widen(gate[i]);
+        orow[i] = narrow<T>(rounded<T>(static_cast<float>(g / (1.0 + std::exp(-g)))) * widen(up[i]));
       }
     }
   });
