@@ -19,8 +19,8 @@ def _engine_args(p: argparse.ArgumentParser, kv_cache_gib: float, one_setting: b
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
         p.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
                        help="gguf: run the GGUF file's Q4_0 / Q4_1 / Q8_0 weights in their blocks (C++ kernel, "
-                            "CPU; float32 keeps the same outputs); auto: so where that kernel builds; none: "
-                            "dequantize every weight to --dtype")
+                            "CPU; float32 keeps the same outputs); auto: so where that kernel builds, unless AMX runs "
+                            "bfloat16; none: dequantize every weight to --dtype")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--long-prefill-chunk-tokens", type=int, default=32,
@@ -34,7 +34,9 @@ def _engine_args(p: argparse.ArgumentParser, kv_cache_gib: float, one_setting: b
                    help="recompute shared prompt prefixes instead of reusing their cached KV blocks")
     p.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
     p.add_argument("--matmul-backend", default="auto", choices=list(MATMUL_BACKENDS),
-                   help="packed: Loom's C++ kernel on weights packed at load (CPU); torch: F.linear")
+                   help="amx: Loom's C++ kernel on AMX tiles (bfloat16, CPUs with AMX-BF16); packed: Loom's C++ "
+                        "kernel on weights packed at load (CPU); torch: F.linear; auto: amx for bfloat16 where the "
+                        "CPU has it, else packed")
     p.add_argument("--layer-ops", default="auto", choices=list(LAYER_OPS),
                    help="fused: Loom's C++ kernel for a Llama layer's norm, RoPE and SwiGLU (CPU); torch: torch ops")
     p.add_argument("--threads", type=int, default=None)

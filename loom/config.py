@@ -73,9 +73,11 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     max_model_len: int | None = None  # None: the model's own context length
     attention_backend: str = "auto"  # "auto" | "paged" (C++ kernel) | "sdpa" | "reference" (obvious, for tests)
-    matmul_backend: str = "auto"  # "auto" | "packed" (C++ kernel) | "torch"
+    # "auto" | "amx" (C++ kernel, bfloat16 on AMX-BF16 CPUs) | "packed" (C++ kernel) | "torch"; see make_matmul
+    matmul_backend: str = "auto"
     # "gguf": weights that the GGUF file stores in Q4_0 / Q4_1 / Q8_0 blocks stay in them (C++ kernel; float32 gives the
-    # same bits as "none"); "auto": so when that kernel builds; "none": every weight dequantized to `dtype`.
+    # same bits as "none"); "auto": so when that kernel builds, unless AMX runs the model; "none": every weight
+    # dequantized to `dtype`.
     quantization: str = "auto"
     layer_ops: str = "auto"  # "auto" | "fused" (C++ kernel: norm, RoPE, SwiGLU) | "torch"
     num_threads: int | None = None

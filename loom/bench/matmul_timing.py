@@ -9,15 +9,13 @@ from collections.abc import Callable
 
 import torch
 
-from loom.model.linear import PackedLinear, QuantizedLinear
+from loom.model.linear import AmxLinear, PackedLinear, QuantizedLinear
 
 
 def matmul_backend_name(model) -> str:
-    """'quantized' (GGUF blocks), 'packed' or 'torch': how the model runs its layer matmuls."""
-    first = model.layer_linears()[0]
-    if isinstance(first, QuantizedLinear):
-        return "quantized"
-    return "packed" if isinstance(first, PackedLinear) else "torch"
+    """'quantized' (GGUF blocks), 'amx', 'packed' or 'torch': how the model runs its layer matmuls."""
+    names = {QuantizedLinear: "quantized", AmxLinear: "amx", PackedLinear: "packed"}
+    return names.get(type(model.layer_linears()[0]), "torch")
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:

@@ -99,7 +99,8 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks)
         # An engine that read the weights itself is their only user: the model may consume them as it builds, so
         # the originals and their packed copies are never all in memory at once.
-        model = self.loaded.build(self.config.dtype, make_matmul(self.config.matmul_backend, self.config.quantization),
+        model = self.loaded.build(self.config.dtype, make_matmul(self.config.matmul_backend, self.config.quantization,
+                                                              self.config.dtype),
                                   make_layer_ops(self.config.layer_ops), consume=loaded is None)
         self.runner = ModelRunner(model, kv_spec, num_blocks, make_attention(self.config.attention_backend),
                                   make_sampler())

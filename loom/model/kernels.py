@@ -99,6 +99,27 @@ def load_quantized_linear(verbose: bool = False) -> ModuleType | None:
     return _load("loom_quantized_linear", ["quantized_linear.cpp"], verbose)
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split(":", 1)[1].split())
+
+
+def load_amx_linear(verbose: bool = False) -> ModuleType | None:
+    """The compiled `amx_linear` module (bfloat16 matmuls on AMX tiles), or None on a CPU without AMX-BF16 (not even
+    compiled there) or where Linux does not grant this process the tile state."""
+    if not {"amx_tile", "amx_bf16"} <= cpu_flags():
+        return None
+    module = _load("loom_amx_linear", ["amx_linear.cpp"], verbose)
+    if module is not None and not module.amx_available():
+        log.warning("the CPU has AMX but Linux did not grant this process its tile state; using other matmuls")
+        return None
+    return module
+
+
 def load_layer_ops(verbose: bool = False) -> ModuleType | None:
     """The compiled `add_rms_norm` / `rotary_` / `silu_mul` module, or None if it cannot be built here."""
     return _load("loom_layer_ops", ["layer_ops.cpp"], verbose)
@@ -118,6 +139,8 @@ def build() -> None:
     print("loom packed linear kernel:", "ready" if linear else "unavailable (torch matmuls will be used)")
     quantized = load_quantized_linear()
     print("loom quantized linear kernel:", "ready" if quantized else "unavailable (weights will be dequantized)")
+    amx = load_amx_linear()
+    print("loom AMX linear kernel:", "ready" if amx else "unavailable (no AMX-BF16: bfloat16 uses the other kernels)")
     layer_ops = load_layer_ops()
     print("loom fused layer ops:", "ready" if layer_ops else "unavailable (torch ops will be used)")
     argmax = load_argmax()

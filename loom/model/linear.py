@@ -15,12 +15,13 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from loom.model.kernels import kernel_for, load_packed_linear, load_quantized_linear
+from loom.model.kernels import kernel_for, load_amx_linear, load_packed_linear, load_quantized_linear
 from loom.model.quantized import KERNEL_FORMAT, QuantizedWeight, pack_records
 
-MATMUL_BACKENDS = ("auto", "packed", "torch")
+MATMUL_BACKENDS = ("auto", "amx", "packed", "torch")
 QUANTIZATIONS = ("auto", "gguf", "none")
 PANEL_COLUMNS = 16
+AMX_CHUNK = 32  # k values in one row of an AMX weight tile (64 bytes of bfloat16)
 # bfloat16 panels keep each panel's columns in this order; the kernel widens them to float32 in registers and this
 # order puts columns 0-7 and 8-15 in its two registers (see csrc/packed_linear.cpp).
 BF16_PANEL_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
@@ -103,6 +104,40 @@ class PackedLinear:
         return y.view(*x.shape[:-1], self.out_features)
 
 
+def pack_amx_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """bfloat16 [out, in] -> [ceil(out / 16), ceil(in / 32), 16, 32], zero-padded: tile (p, c) row r holds, for each
+    output column n of panel p, the pair W[16p + n, 32c + 2r], W[16p + n, 32c + 2r + 1] (AMX's layout for TDPBF16PS)."""
+    out_features, in_features = weight.shape
+    num_panels, num_chunks = -(-out_features // PANEL_COLUMNS), -(-in_features // AMX_CHUNK)
+    padded = torch.zeros(num_panels * PANEL_COLUMNS, num_chunks * AMX_CHUNK, dtype=torch.bfloat16)
+    padded[:out_features, :in_features] = weight
+    pairs = padded.view(num_panels, PANEL_COLUMNS, num_chunks, AMX_CHUNK // 2, 2)  # [p, n, c, r, j]
+    return pairs.permute(0, 2, 3, 1, 4).reshape(num_panels, num_chunks, 16, AMX_CHUNK).contiguous()
+
+
+@dataclass
+class AmxLinear:
+    """A bfloat16 weight packed once into AMX tiles for the C++ kernel: float32 sums of bfloat16 products, the bias
+    added, rounded once to bfloat16; every row's result independent of the rows beside it (csrc/amx_linear.cpp)."""
+
+    tiles: torch.Tensor
+    in_features: int
+    out_features: int
+    bias: torch.Tensor | None  # float32, padded to whole panels (pad_to_panels)
+    kernel: ModuleType
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernel: ModuleType) -> AmxLinear:
+        padded_bias = None if bias is None else pad_to_panels(bias)
+        return cls(pack_amx_tiles(weight), weight.shape[1], weight.shape[0], padded_bias, kernel)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return self.kernel.amx_linear(x, self.tiles, self.out_features, self.bias)
+        y = self.kernel.amx_linear(x.reshape(-1, self.in_features), self.tiles, self.out_features, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 @dataclass
 class QuantizedLinear:
     """A GGUF Q4_0 / Q4_1 / Q8_0 weight packed once into 16-row panels for the quantized kernel, which dequantizes as
@@ -133,10 +168,15 @@ class QuantizedLinear:
 @dataclass
 class MatmulBackend:
     """Turns weights into `Linear`s: kept in their GGUF blocks where they come so and the quantized kernel is loaded,
-    else packed for the kernel where it is loaded and supports the weight, else torch."""
+    else bfloat16 on AMX tiles where that kernel is loaded, else packed for the kernel where it is loaded and supports
+    the weight, else torch."""
 
     kernel: ModuleType | None
     quantized_kernel: ModuleType | None = None
+    amx_kernel: ModuleType | None = None
+
+    def runs_amx(self, weight: torch.Tensor) -> bool:
+        return self.amx_kernel is not None and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
 
     def supports(self, weight: torch.Tensor) -> bool:
         return (self.kernel is not None and weight.device.type == "cpu"
@@ -151,6 +191,8 @@ class MatmulBackend:
         stores it."""
         if self.runs_quantized(weight, quantized):
             return QuantizedLinear.pack(quantized, bias, self.quantized_kernel)
+        if self.runs_amx(weight):
+            return AmxLinear.pack(weight, bias, self.amx_kernel)
         if self.supports(weight):
             return PackedLinear.pack(weight, bias, self.kernel)
         return TorchLinear(weight, bias)
@@ -160,22 +202,34 @@ class MatmulBackend:
         outputs stay in cache (1.4-1.6x faster at 16-64 rows than one call over SmolLM2's 49,152 rows)."""
         if self.runs_quantized(weight, quantized):
             return QuantizedLinear.pack(quantized, None, self.quantized_kernel)
+        if self.runs_amx(weight):
+            return AmxLinear.pack(weight, None, self.amx_kernel)
         if self.supports(weight):
             return PackedLinear.pack(weight, None, self.kernel)
         return TorchLinear(weight, cpu_slice_rows=2048)
 
 
-def make_matmul(name: str, quantization: str = "none") -> MatmulBackend:
-    """'auto': the packed kernel when it builds on this machine, else torch; 'packed' insists on the kernel.
-    quantization 'auto': GGUF's blocks run as they are when the quantized kernel builds, 'gguf' insists on it, 'none'
-    dequantizes every weight."""
+def make_matmul(name: str, quantization: str = "none", dtype: torch.dtype = torch.float32) -> MatmulBackend:
+    """The matmuls for a model run in `dtype`.
+
+    name 'auto': bfloat16 on AMX tiles where the CPU has AMX-BF16 and the model runs in bfloat16, else the packed
+    kernel where it builds, else torch; 'amx' and 'packed' insist on their kernel ('amx' needs bfloat16).
+    quantization 'auto': GGUF's blocks run as they are when the quantized kernel builds, except where AMX runs the
+    model (the blocks' kernel is slower there from ~4 rows up, and one kernel for every batch keeps a request's
+    tokens independent of its batch); 'gguf' insists on the blocks; 'none' dequantizes every weight."""
     if name not in MATMUL_BACKENDS:
         raise ValueError(f"unknown matmul backend {name!r}; choose one of {MATMUL_BACKENDS}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {QUANTIZATIONS}")
+    if name == "amx" and dtype != torch.bfloat16:
+        raise ValueError(f"matmul_backend='amx' runs bfloat16 models, not {dtype}")
+    amx = None
+    if name in ("auto", "amx") and dtype == torch.bfloat16:
+        amx = kernel_for("matmul_backend", name, "amx", load_amx_linear)
     quantized = None
-    if quantization != "none":
+    if quantization == "gguf" or (quantization == "auto" and amx is None):
         quantized = kernel_for("quantization", quantization, "gguf", load_quantized_linear)
     if name == "torch":
         return MatmulBackend(None, quantized)
-    return MatmulBackend(kernel_for("matmul_backend", name, "packed", load_packed_linear), quantized)
+    packed = None if name == "amx" else kernel_for("matmul_backend", name, "packed", load_packed_linear)
+    return MatmulBackend(packed, quantized, amx)

@@ -1,0 +1,206 @@
+// bfloat16 linear layers y = x W^T on Intel AMX (Sapphire Rapids and later): W packed once, at model load, into
+// 16 x 32 tiles, each multiply-accumulated by TDPBF16PS into 16 x 16 float32 sums held in tile registers.
+//
+// Why our own and not torch's bfloat16 matmul (oneDNN, also on AMX here, about as fast): oneDNN picks its blocking
+// by the number of rows, and on the development machine a row's result changed with the rows batched beside it
+// (SmolLM2's shapes at 7, 16, 33, 64, 100, 256 rows against 600). Here every row walks k in the same 32-wide steps
+// from zero, whatever the batch: y[i] depends on x[i] and W alone, so packing changes no result.
+//
+// Layout (loom/model/linear.py, pack_amx_tiles): panels of 16 output columns; within a panel, one 1 KiB tile per 32
+// k values, tile row r holding, for each column n, the pair W[n][32c + 2r], W[n][32c + 2r + 1] (AMX's "VNNI" order).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "bfloat16.h"
+#include "vec.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__)
+#error "the AMX linear kernel needs a CPU with AMX-BF16; Loom uses its other matmuls"
+#endif
+
+namespace {
+
+constexpr int64_t kRows = 16;    // rows of x and y in one tile
+constexpr int64_t kPanel = 16;   // output columns in one tile (a panel)
+constexpr int64_t kChunk = 32;   // k values in one tile row: 64 bytes of bfloat16
+constexpr int64_t kTileElems = 16 * kChunk;  // one packed weight tile: 16 pair-rows x 16 columns x 2
+constexpr int64_t kBlockRows = 256;  // rows of x per pass over the weights, so the rows stay in L2
+
+using bf16 = c10::BFloat16;
+
+// The tile shapes, as LDTILECFG reads them: every tile used is 16 rows x 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3 hold the sums of (row block i, panel j) at 2i + j; 4-5 the two row blocks of x; 6-7 the two panels of W.
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Linux hands AMX's tile state to a process only once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+bool request_amx() {
+  constexpr int kReqXcompPerm = 0x1023;
+  constexpr int kXfeatureXtiledata = 18;
+  static const bool granted = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+}
+
+// Where a row block of x starts and its row stride in bytes: x itself, or a zero-padded copy of its last,
+// partial block (AMX loads whole 16-row tiles).
+struct RowBlock {
+  const bf16* rows;
+  int64_t stride_bytes;
+};
+
+// sums[RB][PB][16 x 16] = RB row blocks of x . PB panels of W over all k chunks, in order of k.
+template <int RB, int PB>
+void tile_group(const RowBlock* a, const bf16* panel, int64_t panel_elems, int64_t chunks, float* sums) {
+  _tile_zero(0);
+  if constexpr (PB == 2) _tile_zero(1);
+  if constexpr (RB == 2) _tile_zero(2);
+  if constexpr (RB == 2 && PB == 2) _tile_zero(3);
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(4, a[0].rows + c * kChunk, a[0].stride_bytes);
+    if constexpr (RB == 2) _tile_loadd(5, a[1].rows + c * kChunk, a[1].stride_bytes);
+    _tile_loadd(6, panel + c * kTileElems, 64);
+    if constexpr (PB == 2) _tile_loadd(7, panel + panel_elems + c * kTileElems, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (PB == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RB == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (RB == 2 && PB == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  constexpr int64_t kSums = kRows * kPanel;
+  _tile_stored(0, sums, 64);
+  if constexpr (PB == 2) _tile_stored(1, sums + kSums, 64);
+  if constexpr (RB == 2) _tile_stored(2, sums + 2 * kSums, 64);
+  if constexpr (RB == 2 && PB == 2) _tile_stored(3, sums + 3 * kSums, 64);
+}
+
+// y[rows, cols] (row stride out_features) = one tile's float32 sums + bias, rounded to bfloat16 (nearest even).
+void store_tile(const float* sums, const float* bias, int64_t rows, int64_t cols, bf16* y, int64_t out_features) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = sums + r * kPanel;
+    bf16* yr = y + r * out_features;
+    if (cols == kPanel) {
+      for (int64_t h = 0; h < kPanel; h += loom::kLanes) {
+        loom::Vec v = loom::load(s + h);
+        if (bias) v += loom::load(bias + h);
+        loom::store(yr + h, v);
+      }
+    } else {
+      for (int64_t n = 0; n < cols; ++n) yr[n] = loom::narrow<bf16>(s[n] + (bias ? bias[n] : 0.f));
+    }
+  }
+}
+
+void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const bf16* panels, int64_t chunks,
+                     const float* bias, bf16* y, int64_t out_features) {
+  const int64_t num_panels = (out_features + kPanel - 1) / kPanel;
+  const int64_t panel_elems = chunks * kTileElems;
+  const int64_t padded_k = chunks * kChunk;
+  const int64_t num_blocks = (rows + kRows - 1) / kRows;
+  // x as AMX reads it: full row blocks in place when each row is whole chunks, else from a zero-padded copy.
+  std::vector<bf16> padded;
+  const bool in_place = in_features == padded_k;
+  const int64_t copied_from = in_place ? rows / kRows * kRows : 0;
+  if (copied_from < rows) {
+    padded.assign((num_blocks * kRows - copied_from) * padded_k, bf16{});
+    for (int64_t r = copied_from; r < rows; ++r)
+      std::memcpy(padded.data() + (r - copied_from) * padded_k, x + r * in_features, in_features * sizeof(bf16));
+  }
+  auto row_block = [&](int64_t b) -> RowBlock {
+    const int64_t r0 = b * kRows;
+    if (r0 < copied_from) return {x + r0 * in_features, in_features * int64_t{sizeof(bf16)}};
+    return {padded.data() + (r0 - copied_from) * padded_k, padded_k * int64_t{sizeof(bf16)}};
+  };
+  const int64_t blocks_per_pass = kBlockRows / kRows;
+  for (int64_t b0 = 0; b0 < num_blocks; b0 += blocks_per_pass) {
+    const int64_t b1 = std::min(num_blocks, b0 + blocks_per_pass);
+    // Threads split the panel pairs: each weight tile is read by one thread, once per pass over the rows.
+    at::parallel_for(0, (num_panels + 1) / 2, 1, [&](int64_t q0, int64_t q1) {
+      configure_tiles();
+      alignas(64) float sums[4 * kRows * kPanel];
+      for (int64_t q = q0; q < q1; ++q) {
+        const int64_t p = 2 * q;
+        const int pb = p + 1 < num_panels ? 2 : 1;
+        for (int64_t b = b0; b < b1; b += 2) {
+          const int rb = b + 1 < b1 ? 2 : 1;
+          const RowBlock a[2] = {row_block(b), rb == 2 ? row_block(b + 1) : row_block(b)};
+          const bf16* panel = panels + p * panel_elems;
+          if (rb == 2 && pb == 2) tile_group<2, 2>(a, panel, panel_elems, chunks, sums);
+          else if (rb == 2) tile_group<2, 1>(a, panel, panel_elems, chunks, sums);
+          else if (pb == 2) tile_group<1, 2>(a, panel, panel_elems, chunks, sums);
+          else tile_group<1, 1>(a, panel, panel_elems, chunks, sums);
+          for (int i = 0; i < rb; ++i) {
+            const int64_t r0 = (b + i) * kRows;
+            const int64_t n_rows = std::min(kRows, rows - r0);
+            for (int j = 0; j < pb; ++j) {
+              const int64_t c0 = (p + j) * kPanel;
+              store_tile(sums + (2 * i + j) * kRows * kPanel, bias ? bias + c0 : nullptr, n_rows,
+                         std::min(kPanel, out_features - c0), y + r0 * out_features + c0, out_features);
+            }
+          }
+        }
+      }
+      _tile_release();
+    });
+  }
+}
+
+}  // namespace
+
+// Whether this process may use AMX (the kernel compiled, and Linux granted the tile state).
+bool amx_available() { return request_amx(); }
+
+// x bfloat16 [rows, in_features], tiles bfloat16 [ceil(out_features / 16), ceil(in_features / 32), 16, 32] (see
+// pack_amx_tiles), bias float32 [16 * num_panels] or None -> y bfloat16 [rows, out_features].
+torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& tiles, int64_t out_features,
+                         const std::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(request_amx(), "amx_linear: this process was not granted AMX's tile state");
+  TORCH_CHECK(x_in.device().is_cpu() && tiles.device().is_cpu(), "amx_linear runs on CPU");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kBFloat16, "x must be a bfloat16 [rows, in_features]");
+  TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == 16 && tiles.size(3) == kChunk && tiles.is_contiguous() &&
+                  tiles.scalar_type() == torch::kBFloat16,
+              "tiles must be a contiguous bfloat16 [num_panels, num_chunks, 16, 32] tensor");
+  TORCH_CHECK(tiles.size(0) == (out_features + kPanel - 1) / kPanel, "out_features does not match the tiles");
+  TORCH_CHECK(tiles.size(1) == (x_in.size(1) + kChunk - 1) / kChunk, "x has ", x_in.size(1),
+              " features, the tiles expect ", tiles.size(1) * kChunk, " (padded)");
+  const float* bias_data = nullptr;
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == tiles.size(0) * kPanel && bias->is_contiguous() &&
+                    bias->scalar_type() == torch::kFloat32,
+                "bias must be float32, zero-padded to whole panels (see loom/model/linear.py)");
+    bias_data = bias->data_ptr<float>();
+  }
+  const auto x = x_in.contiguous();
+  auto y = torch::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return y;
+  amx_linear_impl(x.data_ptr<bf16>(), x.size(0), x.size(1), tiles.data_ptr<bf16>(), tiles.size(1), bias_data,
+                  y.data_ptr<bf16>(), out_features);
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("amx_available", &amx_available, "whether this process may run AMX tiles");
+  m.def("amx_linear", &amx_linear, "bfloat16 x @ W^T (+ bias) on AMX, W packed in 16 x 32 tiles", py::arg("x"),
+        py::arg("tiles"), py::arg("out_features"), py::arg("bias") = py::none());
+}

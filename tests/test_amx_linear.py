@@ -1,0 +1,118 @@
+"""The AMX bfloat16 matmul kernel against a float64 reference, its batch invariance, its tile layout, and how the
+matmul backend chooses it. Kernel tests skip on CPUs without AMX-BF16; the layout and choice tests run anywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loom import LLM, SamplingParams
+from loom.model.kernels import load_amx_linear
+from loom.model.linear import AmxLinear, PackedLinear, QuantizedLinear, make_matmul, pack_amx_tiles
+
+
+@pytest.fixture(scope="module")
+def amx():
+    backend = make_matmul("auto", "none", torch.bfloat16)
+    if backend.amx_kernel is None:
+        pytest.skip("no AMX-BF16 on this CPU (or Linux did not grant the tile state)")
+    return backend
+
+
+def test_tiles_hold_each_columns_k_pairs():
+    """Tile (p, c), row r, lanes 2n and 2n + 1: W[16p + n, 32c + 2r] and W[16p + n, 32c + 2r + 1]; zero padding."""
+    # Distinct bit patterns (normal positive numbers), so every weight tells where it came from.
+    weight = (torch.arange(20 * 40, dtype=torch.int16) + 0x3000).view(20, 40).view(torch.bfloat16)
+    tiles = pack_amx_tiles(weight)
+    assert tiles.shape == (2, 2, 16, 32)
+    places = [(0, 0, 0, 0), (0, 0, 3, 5), (1, 0, 7, 3), (0, 1, 3, 15), (1, 1, 2, 1), (1, 1, 7, 5), (1, 0, 0, 4)]
+    for p, c, r, n in places:
+        for j in (0, 1):
+            row, col = 16 * p + n, 32 * c + 2 * r + j
+            expected = weight[row, col] if row < 20 and col < 40 else 0
+            assert tiles[p, c, r, 2 * n + j] == expected, (p, c, r, n, j)
+
+
+# (rows, in_features, out_features): one row (decode), partial 16-row blocks and panels, a k that is not whole
+# 32-wide chunks (x copied, zero-padded), more rows than one pass over the weights (256), SmolLM2's shapes, no rows.
+SHAPES = [(1, 576, 960), (3, 30, 5), (17, 576, 576), (33, 100, 37), (64, 1536, 576), (300, 64, 48),
+          (600, 576, 200), (0, 64, 16)]
+
+
+@pytest.mark.parametrize(("rows", "in_features", "out_features"), SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_linear_matches_reference(amx, rows, in_features, out_features, with_bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    linear = amx.linear(weight, bias)
+    assert isinstance(linear, AmxLinear)
+    got = linear(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    if not rows:
+        return
+    exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    # float32 sums of exact bfloat16 products, then one rounding to bfloat16: within an output ulp or two.
+    assert ((got.double() - exact).abs() <= exact.abs() / 128 + 1e-3 * in_features**0.5).all()
+    torchs = (F.linear(x, weight, bias).double() - exact).abs().max().item()
+    assert (got.double() - exact).abs().max().item() <= 2 * torchs + 1e-2
+
+
+def test_amx_rows_do_not_depend_on_the_batch(amx):
+    """A row's result is bit-identical alone, in any position of a batch, and in batches of any size (several 16-row
+    tiles, a partial one, more than one 256-row pass)."""
+    gen = torch.Generator().manual_seed(0)
+    linear = amx.linear(torch.randn(70, 1536, generator=gen).bfloat16())
+    batch = torch.randn(300, 1536, generator=gen).bfloat16()
+    together = linear(batch)
+    for i in (0, 5, 15, 16, 31, 32, 255, 256, 299):
+        assert torch.equal(linear(batch[i : i + 1]), together[i : i + 1])
+    for lo, hi in [(3, 10), (0, 17), (40, 73), (100, 300)]:
+        assert torch.equal(linear(batch[lo:hi]), together[lo:hi])
+    assert torch.equal(linear(batch.flip(0)), together.flip(0))
+
+
+def test_amx_linear_keeps_leading_dimensions_and_rejects_bad_inputs(amx):
+    weight = torch.randn(40, 64).bfloat16()
+    linear = amx.linear(weight)
+    x = torch.randn(3, 5, 64).bfloat16()
+    assert torch.equal(linear(x), linear(x.view(15, 64)).view(3, 5, 40))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        linear(torch.randn(2, 64))
+    with pytest.raises(RuntimeError, match="features"):
+        linear(torch.randn(2, 100).bfloat16())
+
+
+def test_the_backend_takes_amx_for_bfloat16_only():
+    """'auto' runs bfloat16 models on AMX where the CPU has it (and then keeps no GGUF blocks), float32 models on the
+    other kernels; 'amx' for a float32 model is a clear error."""
+    with pytest.raises(ValueError, match="bfloat16"):
+        make_matmul("amx", "auto", torch.float32)
+    assert make_matmul("auto", "auto", torch.float32).amx_kernel is None
+    bf16 = make_matmul("auto", "auto", torch.bfloat16)
+    if load_amx_linear() is None:
+        assert bf16.amx_kernel is None
+        with pytest.raises(RuntimeError, match="amx"):
+            make_matmul("amx", "none", torch.bfloat16)
+    else:
+        assert bf16.amx_kernel is not None and bf16.quantized_kernel is None
+        assert make_matmul("auto", "gguf", torch.bfloat16).quantized_kernel is not None
+
+
+def test_smollm2_bfloat16_on_amx_is_batch_invariant(smollm2, amx):
+    """The whole model in bfloat16 on AMX: each request's greedy tokens are the same alone and batched with others
+    (torch's own bfloat16 matmul fails this here), and the model still answers sensibly."""
+    llm = LLM(loaded=smollm2, dtype="bfloat16", max_num_seqs=4, num_kv_blocks=64)
+    model = llm.engine.runner.model
+    assert isinstance(model.layers[0].qkv, AmxLinear) and isinstance(model.lm_head, AmxLinear)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = ["The capital of France is", "Once upon a time", "def add(a, b):", "1, 2, 3, 4,"]
+    batched = [o.token_ids for o in llm.generate(prompts, params)]
+    assert batched == [llm.generate([p], params)[0].token_ids for p in prompts]
+    assert llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0))[0].text.startswith(" Paris")
+    gguf = LLM(loaded=smollm2, dtype="bfloat16", num_kv_blocks=32, quantization="gguf")
+    assert isinstance(gguf.engine.runner.model.layers[0].qkv, QuantizedLinear)
+    packed = LLM(loaded=smollm2, dtype="bfloat16", num_kv_blocks=32, matmul_backend="packed", quantization="none")
+    assert isinstance(packed.engine.runner.model.layers[0].qkv, PackedLinear)
