@@ -36,6 +36,8 @@ def obvious_decode(q, k_cache, v_cache, tables, lens, scale):
         (torch.float32, 4, 2, 32, 4),  # whole vectors, their number read at run time
         (torch.bfloat16, 9, 3, 64, 16),  # rows widened
         (torch.bfloat16, 6, 2, 30, 5),
+        (torch.bfloat16, 8, 2, 128, 16),  # AVX-512 BF16 where the CPU has it: 4 vectors a head, groups of 4
+        (torch.bfloat16, 4, 4, 32, 4),  # one vector a head, no GQA
     ],
 )
 def test_kernel_matches_obvious_attention(kernel, dtype, heads, kv_heads, head_dim, block_size):
