@@ -199,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--dtypes", default="float32,bfloat16")
     off.add_argument("--quantizations", default="auto", help="each dtype runs with each: auto, gguf, none")
     off.add_argument("--policies", default="static,continuous")
-    off.add_argument("--peers", choices=["none", "hf"], default="none", help="hf: transformers generate / generate_batch")
+    off.add_argument("--peers", choices=["none", "hf"], default="none",
+                     help="hf: transformers generate / generate_batch in each dtype, on the first --hf-requests")
     off.add_argument("--hf-requests", type=int, default=16, help="the peer runs on this many first requests")
     off.add_argument("--sweep", default=None, metavar="KEY=V1,V2", help="e.g. max_num_seqs=1,4,16,64 (continuous)")
     off.add_argument("--plot", metavar="DIR", default=None, help="timeline, KV usage and sweep PNGs")

@@ -112,6 +112,8 @@ def obvious_chunk(q, keys, values, scale):
         (4, 4, 128, 8),  # no GQA
         (6, 2, 30, 5),  # a head size that is not a multiple of the kernel's 4-dim tiles, odd blocks
         (6, 2, 24, 1),  # one token per block: a softmax step spans 64 blocks
+        (8, 2, 128, 16),  # bfloat16 on AMX where the CPU has it: four 32-dim tiles a head, groups of 4
+        (4, 4, 32, 16),  # one 32-dim tile a head, no GQA
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -141,6 +143,27 @@ def test_prefill_kernel_matches_obvious(kernel, heads, kv_heads, head_dim, block
         values = v_cache[tables[i]].flatten(0, 1)[: lens[i]]
         expected = obvious_chunk(q[rows], keys, values, scale)
         torch.testing.assert_close(out[rows].float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_gets_the_same_bits_in_any_chunks(kernel, dtype):
+    """Each query row's softmax walks the keys from key 0 in fixed steps, so a token's attention does not depend on
+    the chunk or tile it is prefilled in: a 300-token prompt at once, or as chunks of 100, 150 and 50."""
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, head_dim, block_size, n = 9, 3, 64, 16, 300
+    k_cache = torch.randn(40, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(40, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    tables = (torch.randperm(39, generator=gen)[:20] + 1).view(1, 20)
+    q = torch.randn(n, heads, head_dim, generator=gen).to(dtype)
+    whole = torch.empty_like(q)
+    kernel.prefill_attention(q, k_cache, v_cache, tables, torch.tensor([n]), torch.tensor([0, n]), 0, whole, 0.125)
+    chunked = torch.empty_like(q)
+    for lo, hi in [(0, 100), (100, 250), (250, 300)]:
+        part = torch.empty_like(q[lo:hi])
+        kernel.prefill_attention(q[lo:hi].contiguous(), k_cache, v_cache, tables, torch.tensor([hi]),
+                                 torch.tensor([0, hi - lo]), 0, part, 0.125)
+        chunked[lo:hi] = part
+    assert torch.equal(chunked, whole)
 
 
 def test_prefill_kernel_rejects_bad_chunks(kernel):

@@ -9,8 +9,8 @@ import torch
 from loom.bench.workloads import BenchRequest
 
 
-def load_hf_model(model_path: str | None):
-    """The same weights through transformers' own loader (GGUF or HF directory), float32."""
+def load_hf_model(model_path: str | None, dtype: torch.dtype = torch.float32):
+    """The same weights through transformers' own loader (GGUF or HF directory), in `dtype`."""
     import transformers
 
     from loom.model.loader import default_model_path
@@ -19,7 +19,7 @@ def load_hf_model(model_path: str | None):
     path = Path(model_path) if model_path else default_model_path()
     kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
     folder = path.parent if path.suffix == ".gguf" else path
-    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kwargs).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **kwargs).eval()
 
 
 def hf_static(model, prompts: list[list[int]], requests: list[BenchRequest], wave: int,

@@ -13,6 +13,8 @@ import json
 import time
 from pathlib import Path
 
+import torch
+
 from loom.bench.matmul_timing import matmul_backend_name, matmul_peak
 from loom.bench.workloads import BenchRequest, article_workload, mixed_workload, shared_prefix_workload
 from loom.cli import engine_config
@@ -72,14 +74,20 @@ def emit(line: dict) -> None:
 
 
 def _hf_peer(args, loaded, requests: list[BenchRequest], max_num_seqs: int, engine: LLMEngine, name: str) -> bool:
+    """transformers on the first requests, in the engine's dtype, against Loom on the same requests. In float32 both
+    must give the same tokens (False if not); in bfloat16 torch's matmul sums in another order, so tokens may part,
+    and that is reported, not failed."""
     from loom.bench.hf_peer import hf_continuous, hf_static, load_hf_model
 
     subset = requests[: args.hf_requests]
     prompts = [r.prompt if isinstance(r.prompt, list) else loaded.tokenizer.encode(r.prompt) for r in subset]
     loom_line, loom_tokens, _ = run_once(engine, subset, "continuous", max_num_seqs, args.max_num_batched_tokens)
-    base = {"workload": name, "dtype": "float32", "requests": len(subset), "max_num_seqs": max_num_seqs}
+    dtype = engine.config.dtype
+    exact = dtype == torch.float32
+    base = {"workload": name, "dtype": str(dtype).removeprefix("torch."), "requests": len(subset),
+            "max_num_seqs": max_num_seqs}
     emit({**base, **loom_line, "system": "loom-continuous(subset)"})
-    model = load_hf_model(args.model)
+    model = load_hf_model(args.model, dtype)
     pad = loaded.tokenizer.eos_token_ids[0] if loaded.tokenizer.eos_token_ids else 0
     ok = True
     seconds, tokens = hf_static(model, prompts, subset, max_num_seqs, pad)
@@ -88,7 +96,7 @@ def _hf_peer(args, loaded, requests: list[BenchRequest], max_num_seqs: int, engi
            "output_tokens_per_s": round(useful / seconds, 2),
            "loom_continuous_over_this": round(loom_line["output_tokens_per_s"] * seconds / useful, 3),
            "identical_outputs_to_loom": tokens == loom_tokens})
-    ok &= tokens == loom_tokens
+    ok &= tokens == loom_tokens or not exact
     try:
         seconds, tokens, generated = hf_continuous(model, prompts, subset)
     except Exception as e:  # generate_batch is new and version-dependent: report, do not crash the run
@@ -99,7 +107,7 @@ def _hf_peer(args, loaded, requests: list[BenchRequest], max_num_seqs: int, engi
            "generated_tokens_per_s": round(generated / seconds, 2),
            "loom_continuous_over_this": round(loom_line["output_tokens_per_s"] * seconds / useful, 3),
            "identical_outputs_to_loom": tokens == loom_tokens})
-    return ok & (tokens == loom_tokens)
+    return ok & (tokens == loom_tokens or not exact)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -155,7 +163,7 @@ def main(args: argparse.Namespace) -> int:
                 records = {policy: t.records for policy, t in traces.items()}
                 slot_timeline(records, seqs, plot_dir / f"timeline-{name}-{label}.png", f"{name} workload, {label}")
                 kv_usage(records, plot_dir / f"kv-{name}-{label}.png")
-            if args.peers == "hf" and dtype == "float32" and quantization == quantizations[0]:
+            if args.peers == "hf" and quantization == quantizations[0]:
                 ok &= _hf_peer(args, loaded, requests, seqs, engine, name)
         if args.sweep:
             key, values = args.sweep.split("=")

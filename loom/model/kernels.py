@@ -86,7 +86,8 @@ def kernel_for(option: str, choice: str, insisted: str, load: Callable[[], Modul
 
 def load_paged_attention(verbose: bool = False) -> ModuleType | None:
     """The compiled `write_kv` / `decode_attention` / `prefill_attention` module, or None if it cannot be built here."""
-    return _load("loom_paged_attention", ["paged_attention.cpp", "prefill_attention.cpp", "write_kv.cpp"], verbose)
+    return _load("loom_paged_attention",
+                 ["paged_attention.cpp", "prefill_attention.cpp", "prefill_attention_amx.cpp", "write_kv.cpp"], verbose)
 
 
 def load_packed_linear(verbose: bool = False) -> ModuleType | None:

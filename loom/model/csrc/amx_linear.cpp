@@ -11,9 +11,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx_tiles.h"
 #include "bfloat16.h"
 #include "vec.h"
 
@@ -36,33 +35,8 @@ constexpr int64_t kTileElems = 16 * kChunk;  // one packed weight tile: 16 pair-
 constexpr int64_t kBlockRows = 256;  // rows of x per pass over the weights, so the rows stay in L2
 
 using bf16 = c10::BFloat16;
-
-// The tile shapes, as LDTILECFG reads them: every tile used is 16 rows x 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3 hold the sums of (row block i, panel j) at 2i + j; 4-5 the two row blocks of x; 6-7 the two panels of W.
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
-}
-
-// Linux hands AMX's tile state to a process only once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
-bool request_amx() {
-  constexpr int kReqXcompPerm = 0x1023;
-  constexpr int kXfeatureXtiledata = 18;
-  static const bool granted = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  return granted;
-}
+using loom::amx::configure_tiles;
+using loom::amx::request_amx;
 
 // Where a row block of x starts and its row stride in bytes: x itself, or a zero-padded copy of its last,
 // partial block (AMX loads whole 16-row tiles).
@@ -71,7 +45,8 @@ struct RowBlock {
   int64_t stride_bytes;
 };
 
-// sums[RB][PB][16 x 16] = RB row blocks of x . PB panels of W over all k chunks, in order of k.
+// sums[RB][PB][16 x 16] = RB row blocks of x . PB panels of W over all k chunks, in order of k. Tiles 0-3 hold the
+// sums of (row block i, panel j) at 2i + j; 4-5 the two row blocks of x; 6-7 the two panels of W.
 template <int RB, int PB>
 void tile_group(const RowBlock* a, const bf16* panel, int64_t panel_elems, int64_t chunks, float* sums) {
   _tile_zero(0);

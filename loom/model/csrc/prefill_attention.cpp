@@ -209,6 +209,11 @@ void prefill_attention_impl(const T* q, const T* k_cache, const T* v_cache, cons
 
 }  // namespace
 
+// Defined in prefill_attention_amx.cpp: the same work for bfloat16 on AMX where it applies, else false.
+bool prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const int64_t* tables, const int64_t* context_lens, const int64_t* query_starts,
+                           int64_t first_seq, int64_t num_seqs, torch::Tensor& out, const PagedGeometry& g);
+
 // q, out: [T, num_heads, head_dim] for the whole step; caches: [num_blocks, block_size, num_kv_heads, head_dim];
 // block_tables [S, max_blocks], context_lens [S], query_starts [S+1]: int64. Fills the rows of sequences
 // first_seq..S-1, each chunk's queries being the last positions of its context_lens[s] keys.
@@ -233,6 +238,7 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, con
     TORCH_CHECK(s[i + 1] - s[i] <= c[i], "a chunk is longer than its context");
     TORCH_CHECK(c[i] <= tables.size(1) * k_cache.size(1), "a context length exceeds its block table");
   }
+  if (prefill_attention_amx(q, k_cache, v_cache, tables.data_ptr<int64_t>(), c, s, first_seq, num_seqs, out, g)) return;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "prefill_attention", [&] {
     prefill_attention_impl(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                            tables.data_ptr<int64_t>(), c, s, first_seq, num_seqs, out.data_ptr<scalar_t>(), g);

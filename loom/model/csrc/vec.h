@@ -121,23 +121,27 @@ inline Vec sum_lanes_of_eight(const Vec* a) {
 }
 
 // e^x for x <= 0 (scores minus their running max) by Cephes' expf method (x = n ln 2 + f, 2^n e^f with a degree-7
-// polynomial); below -87 (masked keys) exactly 0. The kernels' tests hold it to 1e-5 of torch's softmax.
-inline Vec exp_nonpositive(Vec x) {
-  const Vec clamped = vmax(x, splat(-87.f));
-  const Vec n = __builtin_convertvector(__builtin_convertvector(clamped * 1.44269504f - 0.5f, IVec), Vec);
-  const Vec f = clamped - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln 2, ln 2 in two parts
-  Vec p = splat(1.9875691500e-4f);
+// polynomial); below -87 (masked keys) exactly 0. The kernels' tests hold it to 1e-5 of torch's softmax. V is a
+// float vector type and I the int32 vector of as many lanes (Vec and IVec here; 16 lanes in the AVX-512 kernels).
+template <typename V, typename I>
+inline V exp_nonpositive_lanes(V x) {
+  const V clamped = x > -87.f ? x : V{} - 87.f;
+  const V n = __builtin_convertvector(__builtin_convertvector(clamped * 1.44269504f - 0.5f, I), V);
+  const V f = clamped - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln 2, ln 2 in two parts
+  V p = V{} + 1.9875691500e-4f;
   p = p * f + 1.3981999507e-3f;
   p = p * f + 8.3334519073e-3f;
   p = p * f + 4.1665795894e-2f;
   p = p * f + 1.6666665459e-1f;
   p = p * f + 5.0000001201e-1f;
   p = p * f * f + f + 1.f;
-  const IVec scale = (__builtin_convertvector(n, IVec) + 127) << 23;
-  Vec result;
+  const I scale = (__builtin_convertvector(n, I) + 127) << 23;
+  V result;
   std::memcpy(&result, &scale, sizeof result);
   result *= p;
-  return x < -87.f ? splat(0.f) : result;
+  return x < -87.f ? V{} : result;
 }
+
+inline Vec exp_nonpositive(Vec x) { return exp_nonpositive_lanes<Vec, IVec>(x); }
 
 }  // namespace loom
