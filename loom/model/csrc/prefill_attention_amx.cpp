@@ -198,7 +198,8 @@ bool prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& k_cache,
 #else
 
 bool prefill_attention_amx(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const int64_t*,
-                           const int64_t*, const int64_t*, int64_t, int64_t, torch::Tensor&, const loom::PagedGeometry&) {
+                           const int64_t*, const int64_t*, int64_t, int64_t, torch::Tensor&,
+                           const loom::PagedGeometry&) {
   return false;
 }
 
