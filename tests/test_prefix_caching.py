@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import drive, greedy, make_engine
+from loom import LLM, SamplingParams
 from loom.engine.kv_cache import BlockPool, block_hashes
 
 
@@ -132,3 +133,19 @@ def test_preemption_takes_the_lowest_priority_first(tiny_llama, alone_outputs):
     assert preempted[0] == "background"  # not the newest: the lowest priority goes first
     assert all(tokens == alone_outputs([3, 4, 5, 6], 12) for tokens in done.values())
     assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_cached_prompt_gets_the_bits_of_a_computed_one_on_smollm2(smollm2, dtype):
+    """A prompt whose every full block is in the cache computes only its last token, a chunk of one: it must run
+    through the prefill kernel, as it does without the cache, not the decode kernel (whose sums differ in order, and in
+    bfloat16 on AMX in how P is rounded). The first token's logprob is compared to the bit."""
+    prompt = list(range(1000, 1033))  # two full blocks of 16 and one token
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+    fresh = LLM(loaded=smollm2, dtype=dtype, num_kv_blocks=32, enable_prefix_caching=False).generate([prompt], params)
+    llm = LLM(loaded=smollm2, dtype=dtype, num_kv_blocks=32)
+    llm.generate([prompt], params)
+    again = llm.generate([prompt], params)
+    assert llm.engine.scheduler.prefix_cache_hits == 32
+    assert again[0].token_ids == fresh[0].token_ids
+    assert [lp.logprob for lp in again[0].logprobs] == [lp.logprob for lp in fresh[0].logprobs]

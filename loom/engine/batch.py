@@ -60,8 +60,10 @@ def build_batch_metadata(
 ) -> BatchMetadata:
     """Pack the scheduled chunks (decodes first) into one unpadded row with positions, slots and block tables."""
     sched = out.scheduled
-    decode_idx = [i for i, s in enumerate(sched) if len(s.token_ids) == 1]
-    prefill_idx = [i for i, s in enumerate(sched) if len(s.token_ids) != 1]
+    # A one-token prompt chunk (the last token of a prompt whose blocks came from the prefix cache, or of a chunked
+    # prompt) is prefill: the prefill kernel gives it the bits it gets inside a longer chunk.
+    decode_idx = [i for i, s in enumerate(sched) if s.is_decode]
+    prefill_idx = [i for i, s in enumerate(sched) if not s.is_decode]
     n_pad = out.num_pad_tokens
     order = decode_idx + [-1] * n_pad + prefill_idx
     num_seqs = len(order)
