@@ -227,7 +227,7 @@ void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
 // and sums pairs in float32, 32 products an instruction, with no widening of the keys; the scale is applied to the
 // sum. Values: one KV head at a time (its part of a row is whole cache lines for head_dim 64), widened to 16-lane
 // float32 vectors, GROUP x 2 KD accumulators in registers. Against the 8-lane path, alternating processes, medians of
-// 9 passes over 30 layers' caches (development machine, Sapphire Rapids): 64 sequences x 512 tokens 1.59 -> 1.42 ms a
+// 9 passes over 30 layers' caches (development machine, a Xeon with AMX): 64 sequences x 512 tokens 1.59 -> 1.42 ms a
 // layer, 1 x 512 0.030 -> 0.022, 1 x 2048 0.080 -> 0.062. What is left at 64 x 512 is about half memory (0.84 ms for
 // the 25 MB at the ~30 GB/s measured here) and half compute (0.8 ms with the caches in L2/L3). Tried and no faster:
 // values by VDPBF16PS too (pairs of tokens interleaved, probabilities rounded to bfloat16), one KV head at a time for
