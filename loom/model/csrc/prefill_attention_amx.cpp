@@ -59,24 +59,71 @@ struct Scratch {
   }
 };
 
-// The item's keys [0, num_keys) of KV head kvh as operand tiles, zero past num_keys up to a whole step.
+// 16 rows of 16 32-bit lanes, transposed in registers (AVX-512: 4 stages of 16 unpacks or shuffles).
+inline void transpose16x16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // Each group of four rows is now transposed within its 128-bit lanes; two rounds of 128-bit shuffles move the
+  // lanes across the groups.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// The item's keys [0, num_keys) of KV head kvh as operand tiles, zero past num_keys up to a whole step. Keys: a
+// block's 16 rows of 32-bit dim pairs, transposed 16 pairs at a time. Values: two keys' rows interleaved, 16 dims
+// (one tile row) at a time.
 void lay_out_keys_and_values(const bf16* k_cache, const bf16* v_cache, const int64_t* table, int64_t num_keys,
                              int64_t kvh, const PagedGeometry& g, Scratch& scratch) {
   const int64_t head_dim = g.head_dim, dim_tiles = head_dim / 32, value_tiles = head_dim / 16;
   const int64_t steps = (num_keys + kStep - 1) / kStep;
-  std::fill(scratch.keys.begin(), scratch.keys.begin() + steps * 2 * dim_tiles * kTileElems, bf16{});
-  std::fill(scratch.values.begin(), scratch.values.begin() + steps * value_tiles * kTileElems, bf16{});
-  for (int64_t key = 0; key < num_keys; ++key) {
-    const int64_t offset = (table[key / kBlock] * kBlock + key % kBlock) * g.row_size + kvh * head_dim;
-    const bf16* k = k_cache + offset;
-    const bf16* v = v_cache + offset;
-    const int64_t block = key / kBlock, n = key % kBlock, step = key / kStep, pair = (key % kStep) / 2;
-    bf16* key_tiles = scratch.keys.data() + block * dim_tiles * kTileElems + 2 * n;
-    for (int64_t d = 0; d < head_dim; ++d)  // tile d / 32, row (d % 32) / 2, lane 2n + d % 2
-      key_tiles[(d / 32) * kTileElems + (d % 32) / 2 * 32 + d % 2] = k[d];
-    bf16* value_tiles_at = scratch.values.data() + step * value_tiles * kTileElems + pair * 32 + key % 2;
-    for (int64_t d = 0; d < head_dim; ++d)  // tile d / 16, row = key pair, lane 2 (d % 16) + key % 2
-      value_tiles_at[(d / 16) * kTileElems + 2 * (d % 16)] = v[d];
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t block = 0; block < 2 * steps; ++block) {
+    const int64_t count = std::clamp<int64_t>(num_keys - block * kBlock, 0, kBlock);
+    const bf16* k = count ? k_cache + table[block] * kBlock * g.row_size + kvh * head_dim : nullptr;
+    const bf16* v = count ? v_cache + table[block] * kBlock * g.row_size + kvh * head_dim : nullptr;
+    for (int64_t tile = 0; tile < dim_tiles; ++tile) {  // keys: row r of the tile = dim pair 16 tile + r
+      __m512i rows[16];
+      for (int64_t n = 0; n < 16; ++n) rows[n] = n < count ? _mm512_loadu_si512(k + n * g.row_size + tile * 32) : zero;
+      transpose16x16(rows);
+      bf16* out = scratch.keys.data() + (block * dim_tiles + tile) * kTileElems;
+      for (int64_t r = 0; r < 16; ++r) _mm512_storeu_si512(out + r * 32, rows[r]);
+    }
+    // values: the block is half a step; its 8 key pairs are rows 8 (block % 2) .. of the step's tiles
+    bf16* out = scratch.values.data() + (block / 2) * value_tiles * kTileElems + (block % 2) * 8 * 32;
+    for (int64_t pair = 0; pair < 8; ++pair) {
+      for (int64_t tile = 0; tile < value_tiles; ++tile) {
+        const int64_t first = 2 * pair, second = 2 * pair + 1;
+        const __m256i a = first < count ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                              v + first * g.row_size + tile * 16))
+                                        : _mm256_setzero_si256();
+        const __m256i b = second < count ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                               v + second * g.row_size + tile * 16))
+                                         : _mm256_setzero_si256();
+        const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
+        bf16* row = out + tile * kTileElems + pair * 32;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), _mm256_permute2x128_si256(lo, hi, 0x20));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 16), _mm256_permute2x128_si256(lo, hi, 0x31));
+      }
+    }
   }
 }
 
