@@ -115,4 +115,4 @@ def test_smollm2_bfloat16_on_amx_is_batch_invariant(smollm2, amx):
     gguf = LLM(loaded=smollm2, dtype="bfloat16", num_kv_blocks=32, quantization="gguf")
     assert isinstance(gguf.engine.runner.model.layers[0].qkv, QuantizedLinear)
     packed = LLM(loaded=smollm2, dtype="bfloat16", num_kv_blocks=32, matmul_backend="packed", quantization="none")
-    assert isinstance(packed.engine.runner.model.layers[0].qkv, PackedLinear)
+    assert type(packed.engine.runner.model.layers[0].qkv) is PackedLinear

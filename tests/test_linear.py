@@ -32,7 +32,7 @@ def test_packed_linear_matches_reference(packed, dtype, rows, in_features, out_f
     bias = torch.randn(out_features, generator=gen).to(dtype)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
     linear = packed.linear(weight, bias)
-    assert isinstance(linear, PackedLinear)
+    assert type(linear) is PackedLinear
 
     got = linear(x)
     assert got.dtype == dtype and got.shape == (rows, out_features)

@@ -86,22 +86,29 @@ class PackedLinear:
     float32, the bias added, and rounded once, as torch's bfloat16 matmul does; all inside the one kernel call.
     """
 
-    panels: torch.Tensor
+    panels: torch.Tensor  # the weight as the kernel reads it (`layout`)
     in_features: int
     out_features: int
     bias: torch.Tensor | None  # float32, padded to whole panels (pad_to_panels)
     kernel: ModuleType
 
+    @staticmethod
+    def layout(weight: torch.Tensor) -> torch.Tensor:
+        return pack_panels(weight)
+
+    def multiply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] -> [rows, out_features]."""
+        return self.kernel.packed_linear(x, self.panels, self.out_features, self.bias)
+
     @classmethod
     def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernel: ModuleType) -> PackedLinear:
         padded_bias = None if bias is None else pad_to_panels(bias)
-        return cls(pack_panels(weight), weight.shape[1], weight.shape[0], padded_bias, kernel)
+        return cls(cls.layout(weight), weight.shape[1], weight.shape[0], padded_bias, kernel)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # the forward's packed rows [T, in]: no reshapes (~3 us of Python a call, 120 calls a step)
-            return self.kernel.packed_linear(x, self.panels, self.out_features, self.bias)
-        y = self.kernel.packed_linear(x.reshape(-1, self.in_features), self.panels, self.out_features, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
+            return self.multiply(x)
+        return self.multiply(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
 
 
 def pack_amx_tiles(weight: torch.Tensor) -> torch.Tensor:
@@ -116,26 +123,17 @@ def pack_amx_tiles(weight: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class AmxLinear:
-    """A bfloat16 weight packed once into AMX tiles for the C++ kernel: float32 sums of bfloat16 products, the bias
-    added, rounded once to bfloat16; every row's result independent of the rows beside it (csrc/amx_linear.cpp)."""
+class AmxLinear(PackedLinear):
+    """A bfloat16 weight packed once into AMX tiles (pack_amx_tiles) for the C++ kernel: float32 sums of bfloat16
+    products, the bias added, rounded once to bfloat16; every row's result independent of the rows beside it
+    (csrc/amx_linear.cpp)."""
 
-    tiles: torch.Tensor
-    in_features: int
-    out_features: int
-    bias: torch.Tensor | None  # float32, padded to whole panels (pad_to_panels)
-    kernel: ModuleType
+    @staticmethod
+    def layout(weight: torch.Tensor) -> torch.Tensor:
+        return pack_amx_tiles(weight)
 
-    @classmethod
-    def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernel: ModuleType) -> AmxLinear:
-        padded_bias = None if bias is None else pad_to_panels(bias)
-        return cls(pack_amx_tiles(weight), weight.shape[1], weight.shape[0], padded_bias, kernel)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:
-            return self.kernel.amx_linear(x, self.tiles, self.out_features, self.bias)
-        y = self.kernel.amx_linear(x.reshape(-1, self.in_features), self.tiles, self.out_features, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
+    def multiply(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel.amx_linear(x, self.panels, self.out_features, self.bias)
 
 
 @dataclass
