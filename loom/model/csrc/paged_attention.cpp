@@ -231,7 +231,7 @@ void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
 // layer, 1 x 512 0.030 -> 0.022, 1 x 2048 0.080 -> 0.062. What is left at 64 x 512 is about half memory (0.84 ms for
 // the 25 MB at the ~30 GB/s measured here) and half compute (0.8 ms with the caches in L2/L3). Tried and no faster:
 // values by VDPBF16PS too (pairs of tokens interleaved, probabilities rounded to bfloat16), one KV head at a time for
-// the scores, prefetching 4 blocks ahead instead of 2.
+// the scores, scores on AMX (a cache block's keys as one tile), values block by block, prefetching 4 blocks ahead.
 template <int KD, int GROUP>
 void attend_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                         const int64_t* table, int64_t begin, int64_t end, int64_t context, HeadRange heads,
