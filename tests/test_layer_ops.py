@@ -83,6 +83,15 @@ def test_silu_mul_matches_torch(fused, dtype, rows, width):
     close_to_torch(got, expected)
 
 
+def test_silu_next_to_a_bfloat16_midpoint_rounds_as_torch_rounds_it(fused):
+    """SiLU(5.9375) is 5.92187444, just under the bfloat16 midpoint 5.921875: a float32 result one ulp high (as GCC's
+    vectorised expf gave on AVX-512) rounds up to 5.9375 where torch gives 5.90625."""
+    gate_up = torch.cat([torch.full((3, 64), 5.9375), torch.ones(3, 64)], dim=1).bfloat16()
+    got = fused.silu_mul(gate_up)
+    assert torch.equal(got, TorchLayerOps().silu_mul(gate_up))
+    assert got[0, 0].item() == 5.90625
+
+
 def test_fused_ops_reject_what_they_cannot_run(fused):
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         fused.silu_mul(torch.zeros(2, 8, dtype=torch.float64))

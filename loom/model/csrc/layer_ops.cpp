@@ -78,17 +78,36 @@ void rotary_impl(T* qkv, int64_t row_stride, const T* cos, const T* sin, int64_t
   });
 }
 
+// SiLU in float32 by GCC's vectorised expf, which on AVX-512 was seen 1-2 ulp off torch's. That is harmless for a
+// float32 result, but for bfloat16 it flips the rounding of a value next to a bfloat16 midpoint, so those few (low
+// 16 bits within kNearTie of 0x8000, ~1 in 4000) are recomputed in double and rounded once, as torch's float32 result
+// is rounded. Against the sigmoid in double for all, alternating processes, medians of 301 calls at 64 x 1536:
+// bfloat16 60.4-65.5 -> 37.2-38.0 us, float32 43.1-44.5 -> 26.2-28.4 us.
+constexpr uint32_t kNearTie = 8;
+
 template <typename T>
 void silu_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t width) {
   at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
+    std::vector<float> silu(width);
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = gate_up + r * 2 * width;
       const T* up = gate + width;
       T* orow = out + r * width;
       for (int64_t i = 0; i < width; ++i) {
-        const double g = widen(gate[i]);
-        orow[i] = narrow<T>(rounded<T>(static_cast<float>(g / (1.0 + std::exp(-g)))) * widen(up[i]));
+        const float g = widen(gate[i]);
+        silu[i] = g / (1.f + std::exp(-g));
       }
+      if constexpr (!std::is_same_v<T, float>) {
+        for (int64_t i = 0; i < width; ++i) {
+          uint32_t bits;
+          std::memcpy(&bits, &silu[i], sizeof bits);
+          if ((bits & 0xffffu) - (0x8000u - kNearTie) <= 2 * kNearTie) {
+            const double g = widen(gate[i]);
+            silu[i] = static_cast<float>(g / (1.0 + std::exp(-g)));
+          }
+        }
+      }
+      for (int64_t i = 0; i < width; ++i) orow[i] = narrow<T>(rounded<T>(silu[i]) * widen(up[i]));
     }
   });
 }
