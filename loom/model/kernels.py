@@ -80,7 +80,8 @@ def kernel_for(option: str, choice: str, insisted: str, load: Callable[[], Modul
     a clear error instead when the choice is `insisted`, which demands the kernel."""
     kernel = load()
     if kernel is None and choice == insisted:
-        raise RuntimeError(f"{option}={insisted!r} needs the C++ kernel, which failed to build (see the log)")
+        raise RuntimeError(f"{option}={insisted!r} needs the C++ kernel, which failed to build or cannot run on this "
+                           "CPU (see the log)")
     return kernel
 
 
@@ -113,6 +114,7 @@ def load_amx_linear(verbose: bool = False) -> ModuleType | None:
     """The compiled `amx_linear` module (bfloat16 matmuls on AMX tiles), or None on a CPU without AMX-BF16 (not even
     compiled there) or where Linux does not grant this process the tile state."""
     if not {"amx_tile", "amx_bf16"} <= cpu_flags():
+        log.info("no AMX-BF16 on this CPU: the AMX linear kernel is not built")
         return None
     module = _load("loom_amx_linear", ["amx_linear.cpp"], verbose)
     if module is not None and not module.amx_available():
