@@ -26,13 +26,17 @@ _SOURCES = Path(__file__).parent / "csrc"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
+def _cpuinfo_line(prefix: str) -> str | None:
+    """The first line of /proc/cpuinfo that starts with `prefix` ("model name", "flags"), or None where there is none."""
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(prefix))
+    except (OSError, StopIteration):
+        return None
+
+
 def _build_dir() -> Path:
     """One build per torch version and CPU model: -march=native code must not move to another machine."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = _cpuinfo_line("model name") or platform.processor() or platform.machine()
     key = hashlib.sha256(f"{torch.__version__}:{cpu}:{_FLAGS}".encode()).hexdigest()[:12]
     return default_cache_dir() / "kernels" / key
 
@@ -103,11 +107,8 @@ def load_quantized_linear(verbose: bool = False) -> ModuleType | None:
 
 def cpu_flags() -> set[str]:
     """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
-    try:
-        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return set()
-    return set(line.split(":", 1)[1].split())
+    line = _cpuinfo_line("flags")
+    return set(line.split(":", 1)[1].split()) if line else set()
 
 
 def load_amx_linear(verbose: bool = False) -> ModuleType | None:
