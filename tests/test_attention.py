@@ -34,9 +34,11 @@ def obvious_decode(q, k_cache, v_cache, tables, lens, scale):
         (torch.float32, 4, 4, 128, 8),  # no GQA
         (torch.float32, 6, 2, 30, 1),  # a head size of part vectors (rows copied, padded), one token per block
         (torch.float32, 4, 2, 32, 4),  # whole vectors, their number read at run time
-        (torch.bfloat16, 9, 3, 64, 16),  # rows widened
-        (torch.bfloat16, 6, 2, 30, 5),
-        (torch.bfloat16, 8, 2, 128, 16),  # AVX-512 BF16 where the CPU has it: 4 vectors a head, groups of 4
+        (torch.bfloat16, 9, 3, 64, 16),  # AVX-512 BF16 where the CPU has it; scores on AMX where it has that
+        (torch.bfloat16, 9, 3, 64, 32),  # AMX scores: two 16-token tiles a block
+        (torch.bfloat16, 9, 3, 64, 8),  # scores by vectors: blocks smaller than a tile
+        (torch.bfloat16, 6, 2, 30, 5),  # rows widened
+        (torch.bfloat16, 8, 2, 128, 16),  # 4 vectors (AMX: 4 tiles) a head, groups of 4
         (torch.bfloat16, 4, 4, 32, 4),  # one vector a head, no GQA
     ],
 )

@@ -4,7 +4,8 @@
 // after row in token order, for all query heads. Each KV head's part of a row is loaded into registers once for the
 // query heads of its GQA group, bfloat16 widened as it is loaded; nothing is gathered into a temporary. Scores: each
 // head's dot products of eight tokens are summed across lanes together (one transpose, vec.h) instead of one
-// horizontal sum per token and head. Math in float32.
+// horizontal sum per token and head; bfloat16 scores on AMX where the CPU has it (bf16_scores_by_tiles). Math in
+// float32.
 //
 // Tried and slower here: computing eight rows at a time straight from the cache (the interleaved reads lost the
 // hardware prefetchers: 1.5-2.5x slower from memory), and widening a sequence's rows into a buffer first (its reads
@@ -13,6 +14,9 @@
 #include <ATen/Parallel.h>
 
 #include "bfloat16.h"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "amx_tiles.h"
+#endif
 #include "paged_geometry.h"
 #include "vec.h"
 
@@ -104,11 +108,15 @@ struct DecodeScratch {
   std::vector<float> scores;      // [head][len rounded up to kLanes]
   std::vector<float> inv_sum;     // [head]: 1 / the head's softmax denominator
   std::vector<float> row;         // a copied row (head sizes of part vectors)
+  std::vector<c10::BFloat16> query_tiles;  // bf16_scores_by_tiles: the query heads as B tiles
+  std::vector<float> tile_sums;            // bf16_scores_by_tiles: [tile][head][token]
   DecodeScratch(const PagedGeometry& g, int64_t max_len) {
     const int64_t vecs = g.padded_dim() / kLanes;
     q.resize(g.num_heads * vecs), acc.resize(g.num_heads * vecs), dots.resize(g.num_heads * kLanes);
     scores.resize(g.num_heads * round_up(max_len, kLanes)), inv_sum.resize(g.num_heads);
     row.resize(g.num_kv_heads * g.padded_dim());
+    query_tiles.resize(g.num_heads * g.padded_dim());
+    tile_sums.resize(g.num_heads * round_up(max_len, 16));
   }
 };
 
@@ -222,27 +230,19 @@ void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
 }
 
 #if defined(__AVX512BF16__)
-// bfloat16 attention with AVX-512 BF16, for head sizes of whole 32-value vectors (KD of them) and GQA groups of up
-// to 8 (GROUP): the same work item as attend_decode. Scores: VDPBF16PS multiplies the bfloat16 query and key exactly
-// and sums pairs in float32, 32 products an instruction, with no widening of the keys; the scale is applied to the
-// sum. Values: one KV head at a time (its part of a row is whole cache lines for head_dim 64), widened to 16-lane
-// float32 vectors, GROUP x 2 KD accumulators in registers. Against the 8-lane path, alternating processes, medians of
-// 9 passes over 30 layers' caches (development machine, a Xeon with AMX): 64 sequences x 512 tokens 1.59 -> 1.42 ms a
-// layer, 1 x 512 0.030 -> 0.022, 1 x 2048 0.080 -> 0.062. What is left at 64 x 512 is about half memory (0.84 ms for
-// the 25 MB at the ~30 GB/s measured here) and half compute (0.8 ms with the caches in L2/L3). Tried and no faster:
-// values by VDPBF16PS too (pairs of tokens interleaved, probabilities rounded to bfloat16), one KV head at a time for
-// the scores, scores on AMX (a cache block's keys as one tile), values block by block, prefetching 4 blocks ahead.
+// The scores of one work item, bfloat16 keys (KD vectors of 32 values a head, GROUP query heads a KV head) by
+// AVX-512 BF16: VDPBF16PS multiplies query and key exactly and sums pairs in float32, 32 products an instruction,
+// with no widening of the keys; the scale is applied to the sum. Each query head's scores of eight tokens are summed
+// across lanes together (vec.h). scores[h * padded_len + t] for local query head h and token begin + t.
 template <int KD, int GROUP>
-void attend_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
-                        const int64_t* table, int64_t begin, int64_t end, int64_t context, HeadRange heads,
-                        c10::BFloat16* out, const Partial* partial, const PagedGeometry& g, DecodeScratch& scratch) {
+void bf16_scores_by_vectors(const c10::BFloat16* q_first, const c10::BFloat16* k_cache, const int64_t* table,
+                            int64_t begin, int64_t end, int64_t context, HeadRange heads, const PagedGeometry& g,
+                            DecodeScratch& scratch) {
   using bf16 = c10::BFloat16;
   constexpr int64_t kDim = 32 * KD;
   const int64_t num_q = heads.count() * GROUP, len = end - begin, padded_len = round_up(len, kLanes);
   Vec* dots = scratch.dots.data();
   float* scores = scratch.scores.data();
-  float* inv_sum = scratch.inv_sum.data();
-  const bf16* q_first = q + heads.first * GROUP * kDim;
   RowWalker<bf16, bf16> keys(k_cache, table, begin, context, heads, g);
   for (int64_t t0 = 0; t0 < padded_len; t0 += kLanes) {
     for (int t = 0; t < kLanes; ++t) {
@@ -268,33 +268,158 @@ void attend_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
       std::memcpy(scores + h * padded_len + t0, &sums, sizeof sums);
     }
   }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+constexpr int64_t kTileTokens = 16;  // keys in one AMX tile: its 16 rows
+
+// The same scores on AMX, for caches whose blocks hold whole 16-token tiles: each KV head's keys of 16 tokens are
+// one A tile per 32 values, straight from the cache (rows a cache row apart), and its GROUP query heads one B tile
+// (pairs of values, AMX's layout), so TDPBF16PS gives the 16 x GROUP sums. All tiles of the work item first, to
+// scratch (a tile's sums read back at once stall on the store); then each head's column, scaled. The keys 2 tiles
+// ahead are prefetched as the tiles go (AMX loads wait for memory). With the values below, against the scores by
+// vectors and the values widened in order, alternating processes, medians of 9 passes: 64 sequences x 512 tokens
+// from memory (30 layers' caches) 1.63-1.73 -> 1.48-1.51 ms a layer, 64 x 256 0.81-0.86 -> 0.70-0.72, 4 x 512 in L2
+// on one thread 0.085-0.092 -> 0.063.
+template <int KD, int GROUP>
+void bf16_scores_by_tiles(const c10::BFloat16* q_first, const c10::BFloat16* k_cache, const int64_t* table,
+                          int64_t begin, int64_t end, int64_t context, HeadRange heads, const PagedGeometry& g,
+                          DecodeScratch& scratch) {
+  using bf16 = c10::BFloat16;
+  constexpr int64_t kDim = 32 * KD, kAheadTiles = 2;
+  const int64_t num_kv = heads.count(), len = end - begin, padded_len = round_up(len, kLanes);
+  loom::amx::TileConfig config;
+  // Tile 0: the 16 x GROUP sums; 1: 16 keys' 32 values; 2: the query heads' 16 pairs (the _tile_ intrinsics take
+  // literal tile numbers).
+  config.rows[0] = config.rows[1] = config.rows[2] = 16;
+  config.colsb[0] = config.colsb[2] = GROUP * 4;
+  config.colsb[1] = 64;
+  _tile_loadconfig(&config);
+  // B tiles, [KV head][32-value chunk c][pair i][query head n][2]: the query heads' values 32c + 2i, 32c + 2i + 1.
+  bf16* query_tiles = scratch.query_tiles.data();
+  for (int64_t kv = 0; kv < num_kv; ++kv)
+    for (int c = 0; c < KD; ++c)
+      for (int i = 0; i < 16; ++i)
+        for (int n = 0; n < GROUP; ++n)
+          for (int j = 0; j < 2; ++j)
+            query_tiles[(((kv * KD + c) * 16 + i) * GROUP + n) * 2 + j] =
+                q_first[(kv * GROUP + n) * kDim + c * 32 + 2 * i + j];
+  const int64_t block_elems = g.block_size * g.row_size, stride_bytes = g.row_size * 2;
+  const int64_t fetch_bytes = num_kv * kDim * 2;
+  auto keys_at = [&](int64_t token) {  // the item's first KV head in the cache row of `token`
+    return k_cache + table[token / g.block_size] * block_elems + token % g.block_size * g.row_size +
+           heads.first * kDim;
+  };
+  float* sums = scratch.tile_sums.data();  // [tile][KV head][token][GROUP]
+  for (int64_t t0 = begin; t0 < end; t0 += kTileTokens) {
+    const bf16* keys = keys_at(t0);
+    if (t0 + kAheadTiles * kTileTokens < context) {
+      const char* ahead = reinterpret_cast<const char*>(keys_at(t0 + kAheadTiles * kTileTokens));
+      for (int64_t r = 0; r < kTileTokens; ++r)
+        for (int64_t b = 0; b < fetch_bytes; b += 64) __builtin_prefetch(ahead + r * stride_bytes + b);
+    }
+    float* tile_sums = sums + (t0 - begin) / kTileTokens * num_kv * kTileTokens * GROUP;
+    for (int64_t kv = 0; kv < num_kv; ++kv) {
+      _tile_zero(0);
+      for (int c = 0; c < KD; ++c) {
+        _tile_loadd(1, keys + kv * kDim + c * 32, stride_bytes);
+        _tile_loadd(2, query_tiles + (kv * KD + c) * 16 * GROUP * 2, GROUP * 4);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, tile_sums + kv * kTileTokens * GROUP, GROUP * 4);
+    }
+  }
+  _tile_release();
+  // Rows past the context (the rest of the last tile) hold whatever the cache held there: never stored.
+  float* scores = scratch.scores.data();
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(GROUP));
+  const __m512 scale = _mm512_set1_ps(g.scale);
+  for (int64_t t0 = 0; t0 < len; t0 += kTileTokens) {
+    const int64_t n = std::min(kTileTokens, len - t0);
+    const __mmask16 in_context = static_cast<__mmask16>((1u << n) - 1);
+    const float* tile_sums = sums + t0 / kTileTokens * num_kv * kTileTokens * GROUP;
+    for (int64_t kv = 0; kv < num_kv; ++kv)
+      for (int h = 0; h < GROUP; ++h) {
+        const __m512 s = _mm512_i32gather_ps(column, tile_sums + kv * kTileTokens * GROUP + h, 4);
+        _mm512_mask_storeu_ps(scores + (kv * GROUP + h) * padded_len + t0, in_context, _mm512_mul_ps(s, scale));
+      }
+  }
+}
+#endif
+
+// bfloat16 attention with AVX-512 BF16 (and AMX for the scores where the CPU has it), for head sizes of whole
+// 32-value vectors (KD of them) and GQA groups of up to 8 (GROUP): the same work item as attend_decode.
+// Values: one KV head at a time, a cache block at a time; each 32-value vector of a row split into its even and odd
+// values as float32 (a shift and a mask: no widening shuffle), GROUP x 2 KD accumulators in registers, put back in
+// order at the end (the same sums, in the same order, as widening in order). Against the 8-lane path, alternating
+// processes, medians of 9 passes over 30 layers' caches (development machine, a Xeon with AMX): 64 sequences x 512
+// tokens 1.59 -> 1.42 ms a layer, 1 x 512 0.030 -> 0.022, 1 x 2048 0.080 -> 0.062. Tried and no faster: values by
+// VDPBF16PS too (pairs of tokens interleaved, probabilities rounded to bfloat16), one KV head at a time for the
+// scores, prefetching 4 blocks ahead.
+template <int KD, int GROUP>
+void attend_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                        const int64_t* table, int64_t begin, int64_t end, int64_t context, HeadRange heads,
+                        c10::BFloat16* out, const Partial* partial, const PagedGeometry& g, DecodeScratch& scratch) {
+  using bf16 = c10::BFloat16;
+  constexpr int64_t kDim = 32 * KD;
+  const int64_t num_q = heads.count() * GROUP, len = end - begin, padded_len = round_up(len, kLanes);
+  float* scores = scratch.scores.data();
+  float* inv_sum = scratch.inv_sum.data();
+  const bf16* q_first = q + heads.first * GROUP * kDim;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (g.block_size % kTileTokens == 0 && loom::amx::request_amx())
+    bf16_scores_by_tiles<KD, GROUP>(q_first, k_cache, table, begin, end, context, heads, g, scratch);
+  else
+#endif
+    bf16_scores_by_vectors<KD, GROUP>(q_first, k_cache, table, begin, end, context, heads, g, scratch);
 
   softmax_scores(scores, num_q, len, padded_len, partial, inv_sum);
 
-  // Values widened to 16-lane float32 vectors, one KV head at a time: GROUP x 2 KD accumulators in registers.
+  const int64_t block_elems = g.block_size * g.row_size;
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   bf16* out_first = out + heads.first * GROUP * kDim;
   for (int64_t kv = 0; kv < heads.count(); ++kv) {
-    RowWalker<bf16, bf16> values(v_cache, table, begin, context, {heads.first + kv, heads.first + kv + 1}, g);
-    __m512 acc[GROUP][2 * KD];
+    const bf16* head_cache = v_cache + (heads.first + kv) * kDim;
+    __m512 acc[GROUP][2 * KD];  // [h][2u]: the even values of vector u, [h][2u + 1] the odd ones
     for (int h = 0; h < GROUP; ++h)
       for (int u = 0; u < 2 * KD; ++u) acc[h][u] = _mm512_setzero_ps();
     const float* p_first = scores + kv * GROUP * padded_len;
-    for (int64_t t = 0; t < len; ++t) {
-      const bf16* row = values.next(nullptr);
-      __m512 v[2 * KD];
-      for (int u = 0; u < 2 * KD; ++u) {
-        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + u * 16));
-        v[u] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    for (int64_t t0 = begin; t0 < end;) {
+      const int64_t block = t0 / g.block_size, offset = t0 % g.block_size;
+      const int64_t rows = std::min(g.block_size - offset, end - t0);
+      const bf16* rows_at = head_cache + table[block] * block_elems;
+      // While row r of this block is read, row r of the block kAhead on is prefetched (see RowWalker).
+      const char* ahead = (block + kAhead) * g.block_size < context
+                              ? reinterpret_cast<const char*>(head_cache + table[block + kAhead] * block_elems)
+                              : nullptr;
+      for (int64_t r = offset; r < offset + rows; ++r) {
+        const bf16* row = rows_at + r * g.row_size;
+        if (ahead)
+          for (int64_t b = 0; b < kDim * 2; b += 64) __builtin_prefetch(ahead + r * g.row_size * 2 + b);
+        __m512 v[2 * KD];
+        for (int u = 0; u < KD; ++u) {
+          const __m512i bits = _mm512_loadu_si512(row + u * 32);
+          v[2 * u] = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+          v[2 * u + 1] = _mm512_castsi512_ps(_mm512_and_si512(bits, high_half));
+        }
+        const int64_t t = t0 - begin + r - offset;
+        for (int h = 0; h < GROUP; ++h) {
+          const __m512 p = _mm512_set1_ps(p_first[h * padded_len + t]);
+          for (int u = 0; u < 2 * KD; ++u) acc[h][u] = _mm512_fmadd_ps(p, v[u], acc[h][u]);
+        }
       }
-      for (int h = 0; h < GROUP; ++h) {
-        const __m512 p = _mm512_set1_ps(p_first[h * padded_len + t]);
-        for (int u = 0; u < 2 * KD; ++u) acc[h][u] = _mm512_fmadd_ps(p, v[u], acc[h][u]);
-      }
+      t0 += rows;
     }
+    const __m512i first_half = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i second_half = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
     for (int h = 0; h < GROUP; ++h) {
       const int64_t local = kv * GROUP + h;
       alignas(64) float sums[kDim];
-      for (int u = 0; u < 2 * KD; ++u) _mm512_store_ps(sums + u * 16, acc[h][u]);
+      for (int u = 0; u < KD; ++u) {
+        _mm512_store_ps(sums + u * 32, _mm512_permutex2var_ps(acc[h][2 * u], first_half, acc[h][2 * u + 1]));
+        _mm512_store_ps(sums + u * 32 + 16, _mm512_permutex2var_ps(acc[h][2 * u], second_half, acc[h][2 * u + 1]));
+      }
       if (partial) {
         std::copy(sums, sums + kDim, partial->acc + local * kDim);
       } else {
