@@ -367,6 +367,18 @@ void attend_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
   float* scores = scratch.scores.data();
   float* inv_sum = scratch.inv_sum.data();
   const bf16* q_first = q + heads.first * GROUP * kDim;
+  // The values' first kAhead blocks, which their walk below does not prefetch, are asked for now, to L2, so they
+  // arrive while the scores are computed. Alternating processes, medians of 9 passes over 30 layers' caches: 64
+  // sequences x 64 tokens 0.185-0.192 -> 0.163-0.173 ms a layer, 64 x 128 0.380-0.388 -> 0.360-0.368, 48 x 300
+  // 0.643-0.653 -> 0.637-0.653.
+  const int64_t block_elems = g.block_size * g.row_size;
+  for (int64_t b = begin / g.block_size; b < std::min(begin / g.block_size + kAhead, (end - 1) / g.block_size + 1);
+       ++b) {
+    const char* rows = reinterpret_cast<const char*>(v_cache + table[b] * block_elems + heads.first * kDim);
+    for (int64_t r = 0; r < g.block_size; ++r)
+      for (int64_t x = 0; x < heads.count() * kDim * 2; x += 64)
+        _mm_prefetch(rows + r * g.row_size * 2 + x, _MM_HINT_T2);
+  }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (g.block_size % kTileTokens == 0 && loom::amx::request_amx())
     bf16_scores_by_tiles<KD, GROUP>(q_first, k_cache, table, begin, end, context, heads, g, scratch);
@@ -376,7 +388,6 @@ void attend_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
 
   softmax_scores(scores, num_q, len, padded_len, partial, inv_sum);
 
-  const int64_t block_elems = g.block_size * g.row_size;
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   bf16* out_first = out + heads.first * GROUP * kDim;
   for (int64_t kv = 0; kv < heads.count(); ++kv) {
