@@ -1,5 +1,5 @@
-// What Loom's AMX kernels share (amx_linear.cpp, prefill_attention_amx.cpp): asking Linux for the tile state, and
-// the one tile shape they all use.
+// What Loom's AMX kernels share (amx_linear.cpp, prefill_attention_amx.cpp, paged_attention.cpp): asking Linux for
+// the tile state, the tile config's layout, and the square tile shape the matmul and prefill attention use.
 #pragma once
 
 #include <immintrin.h>
