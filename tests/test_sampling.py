@@ -85,8 +85,10 @@ def test_argmax_kernel_matches_torch(argmax_kernel):
     strided = rows[:, :1000]  # not contiguous: copied first
     assert torch.equal(argmax_kernel.argmax_rows(strided), strided.argmax(dim=-1))
     assert argmax_kernel.argmax_rows(rows[:0]).shape == (0,)
-    with pytest.raises(RuntimeError, match="float32"):
-        argmax_kernel.argmax_rows(rows.to(torch.bfloat16))
+    halves = rows.to(torch.bfloat16)  # a bfloat16 model's logits: the argmax of their exact float32 copy
+    assert torch.equal(argmax_kernel.argmax_rows(halves), halves.float().argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        argmax_kernel.argmax_rows(rows.half())
     assert make_sampler().argmax_kernel is not None
 
 
@@ -96,6 +98,23 @@ def test_greedy_rows_take_the_argmax(argmax_kernel, use_kernel):
     rows = _rows_with_ties_and_nans()
     tokens, logprobs = sampler.sample(rows, [_req(temperature=0.0) for _ in range(len(rows))])
     assert tokens == rows.argmax(dim=-1).tolist() and logprobs == [None] * len(rows)
+
+
+def test_bfloat16_logits_sample_as_their_float32_copy(argmax_kernel):
+    """A bfloat16 model's logits reach the sampler as they are: greedy rows take their argmax, and a batch with
+    logprobs, penalties or sampling works on an exact float32 copy."""
+    halves = _rows_with_ties_and_nans()[:3].to(torch.bfloat16)  # ties, a maximum in the last lane; no NaN
+    sampler = Sampler(argmax_kernel)
+    greedy = [_req(temperature=0.0) for _ in range(3)]
+    assert sampler.sample(halves, greedy) == sampler.sample(halves.float(), greedy)
+
+    def mixed():  # fresh requests each time: a seeded request's generator moves as it samples
+        reqs = [_req(temperature=0.0, logprobs=2), _req(temperature=0.0, frequency_penalty=1.0),
+                _req(temperature=0.7, seed=3)]
+        reqs[1].output_token_ids = [7, 7]
+        return reqs
+
+    assert sampler.sample(halves, mixed()) == sampler.sample(halves.float(), mixed())
 
 
 def test_top_k_one_is_greedy_and_penalties_change_the_choice():

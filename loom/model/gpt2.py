@@ -87,6 +87,7 @@ class GPT2Model:
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.fc, layer.proj)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in the model's dtype, as LlamaModel.compute_logits gives them."""
         x = F.layer_norm(hidden, (self.config.hidden_size,), self.ln_f_weight, self.ln_f_bias, self.config.norm_eps)
-        return self.lm_head(x).float()
+        return self.lm_head(x)
 

@@ -107,5 +107,6 @@ class LlamaModel:
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits for the selected rows only (one per sampling request, not every prompt token)."""
-        return self.lm_head(self.ops.add_rms_norm(hidden, None, self.final_norm, self.config.norm_eps)[1]).float()
+        """Logits for the selected rows only (one per sampling request, not every prompt token), in the model's
+        dtype: the sampler widens them only for the requests that need float32 (greedy rows need no copy)."""
+        return self.lm_head(self.ops.add_rms_norm(hidden, None, self.final_norm, self.config.norm_eps)[1])

@@ -79,7 +79,13 @@ class Sampler:
         return logits.argmax(dim=-1).tolist()
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
-        """One token per row of `logits` (float32), for the request of the same row."""
+        """One token per row of `logits` (float32, or bfloat16 as a bfloat16 model gives them), for the request of
+        the same row. Greedy rows take the argmax of the logits as they are (the same token as of their exact
+        float32 copy); penalties, sampling and logprobs work on float32."""
+        if logits.dtype != torch.float32 and not all(
+            r.params.greedy and not r.params.uses_penalties and r.params.logprobs is None for r in requests
+        ):
+            logits = logits.float()
         raw = logits
         if any(r.params.uses_penalties for r in requests):
             logits = logits.clone()
