@@ -108,5 +108,5 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for the selected rows only (one per sampling request, not every prompt token), in the model's
-        dtype: the sampler widens them only for the requests that need float32 (greedy rows need no copy)."""
+        dtype: the sampler makes a float32 copy only for a step that needs one (plain greedy rows do not)."""
         return self.lm_head(self.ops.add_rms_norm(hidden, None, self.final_norm, self.config.norm_eps)[1])

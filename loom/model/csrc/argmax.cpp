@@ -1,8 +1,8 @@
 // Greedy sampling's argmax over each row of a step's logits [S, V] (float32, or bfloat16 as a bfloat16 model's LM
-// head returns them), V = 49,152 for SmolLM2. torch's argmax
-// took 3.8-4.4 ms for 64 rows on the development machine (a scalar compare-and-index loop), 1.5-2% of a 64-request
-// decode step, while a row's maximum alone (amax) took 0.16 ms: here a vector pass finds each row's maximum, then a
-// second finds where it first occurs (0.55-1.22 ms for the same 64 rows).
+// head returns them), V = 49,152 for SmolLM2. torch's argmax took 3.8-4.4 ms for 64 float32 rows on the development
+// machine (a scalar compare-and-index loop), 1.5-2% of a 64-request decode step, while a row's maximum alone (amax)
+// took 0.16 ms: here a vector pass finds each row's maximum, then a second finds where it first occurs (0.55-1.22 ms
+// for the same 64 rows).
 //
 // Same answer as torch.argmax: the first index of the maximum, or of the first NaN where a row has one (torch orders
 // NaN above every number). NaN is found from the bits: -ffast-math compiles float NaN tests away. bfloat16 logits are
