@@ -276,11 +276,11 @@ constexpr int64_t kTileTokens = 16;  // keys in one AMX tile: its 16 rows
 // The same scores on AMX, for caches whose blocks hold whole 16-token tiles: each KV head's keys of 16 tokens are
 // one A tile per 32 values, straight from the cache (rows a cache row apart), and its GROUP query heads one B tile
 // (pairs of values, AMX's layout), so TDPBF16PS gives the 16 x GROUP sums. All tiles of the work item first, to
-// scratch (a tile's sums read back at once stall on the store); then each head's column, scaled. The keys 2 tiles
-// ahead are prefetched as the tiles go (AMX loads wait for memory). With the values below, against the scores by
-// vectors and the values widened in order, alternating processes, medians of 9 passes: 64 sequences x 512 tokens
-// from memory (30 layers' caches) 1.63-1.73 -> 1.48-1.51 ms a layer, 64 x 256 0.81-0.86 -> 0.70-0.72, 4 x 512 in L2
-// on one thread 0.085-0.092 -> 0.063.
+// scratch, then each head's column, scaled (each tile's columns read right after its store measured about the same:
+// 8 x 512 on one thread 0.192 against 0.186 ms a layer). The keys 2 tiles ahead are prefetched as the tiles go (AMX
+// loads wait for memory). With the values below, against the scores by vectors and the values widened in order,
+// alternating processes, medians of 9 passes: 64 sequences x 512 tokens from memory (30 layers' caches) 1.63-1.73 ->
+// 1.48-1.51 ms a layer, 64 x 256 0.81-0.86 -> 0.70-0.72, 4 x 512 in L2 on one thread 0.085-0.092 -> 0.063.
 template <int KD, int GROUP>
 void bf16_scores_by_tiles(const c10::BFloat16* q_first, const c10::BFloat16* k_cache, const int64_t* table,
                           int64_t begin, int64_t end, int64_t context, HeadRange heads, const PagedGeometry& g,
