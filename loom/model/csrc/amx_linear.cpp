@@ -70,7 +70,8 @@ void tile_group(const RowBlock* a, const bf16* panel, int64_t panel_elems, int64
   if constexpr (RB == 2 && PB == 2) _tile_stored(3, sums + 3 * kSums, 64);
 }
 
-// y[rows, cols] (row stride out_features) = one tile's float32 sums + bias, rounded to bfloat16 (nearest even).
+// y[rows, cols] (row stride out_features) = one tile's float32 sums + bias, rounded to bfloat16 (nearest even): for
+// a panel at the right edge, or one without a neighbour.
 void store_tile(const float* sums, const float* bias, int64_t rows, int64_t cols, bf16* y, int64_t out_features) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* s = sums + r * kPanel;
@@ -83,6 +84,52 @@ void store_tile(const float* sums, const float* bias, int64_t rows, int64_t cols
       }
     } else {
       for (int64_t n = 0; n < cols; ++n) yr[n] = loom::narrow<bf16>(s[n] + (bias ? bias[n] : 0.f));
+    }
+  }
+}
+
+// Sixteen float32 lanes rounded to bfloat16, nearest even (bf16_high_bits of vec.h, sixteen at once).
+inline __m256i round_to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+// Two neighbouring whole panels' sums (+ bias) -> 32 bfloat16 columns of y, written as one 64-byte store a row
+// rather than two halves of a cache line.
+void store_tile_pair(const float* sums, const float* bias, int64_t rows, bf16* y, int64_t out_features) {
+  const __m512 bias0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 bias1 = bias ? _mm512_loadu_ps(bias + kPanel) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256i low = round_to_bf16(_mm512_add_ps(_mm512_load_ps(sums + r * kPanel), bias0));
+    const __m256i high = round_to_bf16(_mm512_add_ps(_mm512_load_ps(sums + kRows * kPanel + r * kPanel), bias1));
+    _mm512_storeu_si512(y + r * out_features, _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1));
+  }
+}
+
+// One tile_group's place in y: panels p (and p + 1 when pb == 2), row blocks b (and b + 1 when rb == 2).
+struct TileGroup {
+  int64_t p, b;
+  int rb, pb;
+};
+
+// A tile_group's sums (laid out as tile_group stores them) + bias, rounded into y[rows, out_features].
+void store_group(const float* sums, const TileGroup& g, const float* bias, int64_t rows, bf16* y,
+                 int64_t out_features) {
+  for (int i = 0; i < g.rb; ++i) {
+    const int64_t r0 = (g.b + i) * kRows;
+    const int64_t n_rows = std::min(kRows, rows - r0);
+    const int64_t c0 = g.p * kPanel;
+    if (g.pb == 2 && c0 + 2 * kPanel <= out_features) {
+      store_tile_pair(sums + 2 * i * kRows * kPanel, bias ? bias + c0 : nullptr, n_rows, y + r0 * out_features + c0,
+                      out_features);
+      continue;
+    }
+    for (int j = 0; j < g.pb; ++j) {
+      const int64_t c = (g.p + j) * kPanel;
+      store_tile(sums + (2 * i + j) * kRows * kPanel, bias ? bias + c : nullptr, n_rows,
+                 std::min(kPanel, out_features - c), y + r0 * out_features + c, out_features);
     }
   }
 }
@@ -113,29 +160,28 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const bf1
     // Threads split the panel pairs: each weight tile is read by one thread, once per pass over the rows.
     at::parallel_for(0, (num_panels + 1) / 2, 1, [&](int64_t q0, int64_t q1) {
       configure_tiles();
-      alignas(64) float sums[4 * kRows * kPanel];
+      // Each group's sums are rounded into y after the next group's tiles are computed, not straight after their
+      // tile stores (30 layers' matmuls at 64 rows: 12.0-12.5 -> 11.4-11.7 ms).
+      alignas(64) float sums[2][4 * kRows * kPanel];
+      std::optional<TileGroup> pending;
+      int64_t n = 0;
       for (int64_t q = q0; q < q1; ++q) {
         const int64_t p = 2 * q;
         const int pb = p + 1 < num_panels ? 2 : 1;
-        for (int64_t b = b0; b < b1; b += 2) {
+        for (int64_t b = b0; b < b1; b += 2, ++n) {
           const int rb = b + 1 < b1 ? 2 : 1;
           const RowBlock a[2] = {row_block(b), rb == 2 ? row_block(b + 1) : row_block(b)};
           const bf16* panel = panels + p * panel_elems;
-          if (rb == 2 && pb == 2) tile_group<2, 2>(a, panel, panel_elems, chunks, sums);
-          else if (rb == 2) tile_group<2, 1>(a, panel, panel_elems, chunks, sums);
-          else if (pb == 2) tile_group<1, 2>(a, panel, panel_elems, chunks, sums);
-          else tile_group<1, 1>(a, panel, panel_elems, chunks, sums);
-          for (int i = 0; i < rb; ++i) {
-            const int64_t r0 = (b + i) * kRows;
-            const int64_t n_rows = std::min(kRows, rows - r0);
-            for (int j = 0; j < pb; ++j) {
-              const int64_t c0 = (p + j) * kPanel;
-              store_tile(sums + (2 * i + j) * kRows * kPanel, bias ? bias + c0 : nullptr, n_rows,
-                         std::min(kPanel, out_features - c0), y + r0 * out_features + c0, out_features);
-            }
-          }
+          float* group_sums = sums[n & 1];
+          if (rb == 2 && pb == 2) tile_group<2, 2>(a, panel, panel_elems, chunks, group_sums);
+          else if (rb == 2) tile_group<2, 1>(a, panel, panel_elems, chunks, group_sums);
+          else if (pb == 2) tile_group<1, 2>(a, panel, panel_elems, chunks, group_sums);
+          else tile_group<1, 1>(a, panel, panel_elems, chunks, group_sums);
+          if (pending) store_group(sums[(n - 1) & 1], *pending, bias, rows, y, out_features);
+          pending = TileGroup{p, b, rb, pb};
         }
       }
+      if (pending) store_group(sums[(n - 1) & 1], *pending, bias, rows, y, out_features);
       _tile_release();
     });
   }
