@@ -37,6 +37,7 @@ constexpr int64_t kBlockRows = 256;  // rows of x per pass over the weights, so 
 using bf16 = c10::BFloat16;
 using loom::amx::configure_tiles;
 using loom::amx::request_amx;
+using loom::amx::round_to_bf16;
 
 // Where a row block of x starts and its row stride in bytes: x itself, or a zero-padded copy of its last,
 // partial block (AMX loads whole 16-row tiles).
@@ -86,14 +87,6 @@ void store_tile(const float* sums, const float* bias, int64_t rows, int64_t cols
       for (int64_t n = 0; n < cols; ++n) yr[n] = loom::narrow<bf16>(s[n] + (bias ? bias[n] : 0.f));
     }
   }
-}
-
-// Sixteen float32 lanes rounded to bfloat16, nearest even (bf16_high_bits of vec.h, sixteen at once).
-inline __m256i round_to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
 // Two neighbouring whole panels' sums (+ bias) -> 32 bfloat16 columns of y, written as one 64-byte store a row

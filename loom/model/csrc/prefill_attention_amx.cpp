@@ -129,14 +129,6 @@ void lay_out_keys_and_values(const bf16* k_cache, const bf16* v_cache, const int
   }
 }
 
-// Sixteen float32 lanes rounded to bfloat16, nearest even (bf16_bits of bfloat16.h, sixteen at once).
-inline __m256i round_to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-
 // One tile: query tokens [t0, t0 + rows) of the chunk (rows <= 16) for query head `head`; the chunk's token i sits
 // at position first_pos + i. Output to out[token][head]. Scores are computed transposed (keys as rows, the 16 query
 // tokens as lanes), so the softmax's maxima and sums over keys are lane-wise.
@@ -209,7 +201,7 @@ void attend_tile(const bf16* q, int64_t t0, int64_t rows, int64_t first_pos, int
     transpose16x16(r);  // row n = query n's dims 16 u ..
     for (int64_t n = 0; n < rows; ++n)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + ((t0 + n) * g.num_heads + head) * head_dim + u * 16),
-                          round_to_bf16(_mm512_castsi512_ps(r[n])));
+                          loom::amx::round_to_bf16(_mm512_castsi512_ps(r[n])));
   }
 }
 
