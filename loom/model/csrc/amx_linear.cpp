@@ -33,6 +33,11 @@ constexpr int64_t kPanel = 16;   // output columns in one tile (a panel)
 constexpr int64_t kChunk = 32;   // k values in one tile row: 64 bytes of bfloat16
 constexpr int64_t kTileElems = 16 * kChunk;  // one packed weight tile: 16 pair-rows x 16 columns x 2
 constexpr int64_t kBlockRows = 256;  // rows of x per pass over the weights, so the rows stay in L2
+// Within a pass, a panel pair's weights go by in slices of kSliceChunks k chunks (12 KiB for two panels), each
+// slice used by kSubBlocks row blocks in turn while it stays in L1; those row blocks' sums (8 KiB) wait in L1 for
+// the next slice. Without slicing, each row block pair read its panel pair from L2 again.
+constexpr int64_t kSliceChunks = 6;
+constexpr int64_t kSubBlocks = 4;
 
 using bf16 = c10::BFloat16;
 using loom::amx::configure_tiles;
@@ -46,15 +51,25 @@ struct RowBlock {
   int64_t stride_bytes;
 };
 
-// sums[RB][PB][16 x 16] = RB row blocks of x . PB panels of W over all k chunks, in order of k. Tiles 0-3 hold the
-// sums of (row block i, panel j) at 2i + j; 4-5 the two row blocks of x; 6-7 the two panels of W.
+// sums[RB][PB][16 x 16] (+)= RB row blocks of x . PB panels of W over k chunks [c0, c1), in order of k: from zero,
+// or resuming the sums stored by the previous k slice (float32 stored and reloaded exactly, so slicing changes no
+// bit). Tiles 0-3 hold the sums of (row block i, panel j) at 2i + j; 4-5 the two row blocks of x; 6-7 the two panels.
 template <int RB, int PB>
-void tile_group(const RowBlock* a, const bf16* panel, int64_t panel_elems, int64_t chunks, float* sums) {
-  _tile_zero(0);
-  if constexpr (PB == 2) _tile_zero(1);
-  if constexpr (RB == 2) _tile_zero(2);
-  if constexpr (RB == 2 && PB == 2) _tile_zero(3);
-  for (int64_t c = 0; c < chunks; ++c) {
+void tile_group(const RowBlock* a, const bf16* panel, int64_t panel_elems, int64_t c0, int64_t c1, bool resume,
+                float* sums) {
+  constexpr int64_t kSums = kRows * kPanel;
+  if (resume) {
+    _tile_loadd(0, sums, 64);
+    if constexpr (PB == 2) _tile_loadd(1, sums + kSums, 64);
+    if constexpr (RB == 2) _tile_loadd(2, sums + 2 * kSums, 64);
+    if constexpr (RB == 2 && PB == 2) _tile_loadd(3, sums + 3 * kSums, 64);
+  } else {
+    _tile_zero(0);
+    if constexpr (PB == 2) _tile_zero(1);
+    if constexpr (RB == 2) _tile_zero(2);
+    if constexpr (RB == 2 && PB == 2) _tile_zero(3);
+  }
+  for (int64_t c = c0; c < c1; ++c) {
     _tile_loadd(4, a[0].rows + c * kChunk, a[0].stride_bytes);
     if constexpr (RB == 2) _tile_loadd(5, a[1].rows + c * kChunk, a[1].stride_bytes);
     _tile_loadd(6, panel + c * kTileElems, 64);
@@ -64,7 +79,6 @@ void tile_group(const RowBlock* a, const bf16* panel, int64_t panel_elems, int64
     if constexpr (RB == 2) _tile_dpbf16ps(2, 5, 6);
     if constexpr (RB == 2 && PB == 2) _tile_dpbf16ps(3, 5, 7);
   }
-  constexpr int64_t kSums = kRows * kPanel;
   _tile_stored(0, sums, 64);
   if constexpr (PB == 2) _tile_stored(1, sums + kSums, 64);
   if constexpr (RB == 2) _tile_stored(2, sums + 2 * kSums, 64);
@@ -154,27 +168,41 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const bf1
     at::parallel_for(0, (num_panels + 1) / 2, 1, [&](int64_t q0, int64_t q1) {
       configure_tiles();
       // Each group's sums are rounded into y after the next group's tiles are computed, not straight after their
-      // tile stores (30 layers' matmuls at 64 rows: 12.0-12.5 -> 11.4-11.7 ms).
-      alignas(64) float sums[2][4 * kRows * kPanel];
+      // tile stores (30 layers' matmuls at 64 rows: 12.0-12.5 -> 11.4-11.7 ms); so sums come in two sets, the
+      // sub-pass's and the one before it.
+      constexpr int64_t kGroupSums = 4 * kRows * kPanel;
+      alignas(64) float sums[2][kSubBlocks / 2][kGroupSums];
       std::optional<TileGroup> pending;
+      const float* pending_sums = nullptr;
       int64_t n = 0;
       for (int64_t q = q0; q < q1; ++q) {
         const int64_t p = 2 * q;
         const int pb = p + 1 < num_panels ? 2 : 1;
-        for (int64_t b = b0; b < b1; b += 2, ++n) {
-          const int rb = b + 1 < b1 ? 2 : 1;
-          const RowBlock a[2] = {row_block(b), rb == 2 ? row_block(b + 1) : row_block(b)};
-          const bf16* panel = panels + p * panel_elems;
-          float* group_sums = sums[n & 1];
-          if (rb == 2 && pb == 2) tile_group<2, 2>(a, panel, panel_elems, chunks, group_sums);
-          else if (rb == 2) tile_group<2, 1>(a, panel, panel_elems, chunks, group_sums);
-          else if (pb == 2) tile_group<1, 2>(a, panel, panel_elems, chunks, group_sums);
-          else tile_group<1, 1>(a, panel, panel_elems, chunks, group_sums);
-          if (pending) store_group(sums[(n - 1) & 1], *pending, bias, rows, y, out_features);
-          pending = TileGroup{p, b, rb, pb};
+        const bf16* panel = panels + p * panel_elems;
+        for (int64_t s0 = b0; s0 < b1; s0 += kSubBlocks, ++n) {
+          const int64_t s1 = std::min(b1, s0 + kSubBlocks);
+          // One group alone reuses no slice: it walks all of k at once.
+          const int64_t slice = s1 - s0 > 2 ? kSliceChunks : chunks;
+          for (int64_t c0 = 0; c0 < chunks; c0 += slice) {
+            const int64_t c1 = std::min(chunks, c0 + slice);
+            for (int64_t b = s0; b < s1; b += 2) {
+              const int rb = b + 1 < s1 ? 2 : 1;
+              const RowBlock a[2] = {row_block(b), rb == 2 ? row_block(b + 1) : row_block(b)};
+              float* group_sums = sums[n & 1][(b - s0) / 2];
+              const bool resume = c0 > 0;
+              if (rb == 2 && pb == 2) tile_group<2, 2>(a, panel, panel_elems, c0, c1, resume, group_sums);
+              else if (rb == 2) tile_group<2, 1>(a, panel, panel_elems, c0, c1, resume, group_sums);
+              else if (pb == 2) tile_group<1, 2>(a, panel, panel_elems, c0, c1, resume, group_sums);
+              else tile_group<1, 1>(a, panel, panel_elems, c0, c1, resume, group_sums);
+              if (c1 < chunks) continue;
+              if (pending) store_group(pending_sums, *pending, bias, rows, y, out_features);
+              pending = TileGroup{p, b, rb, pb};
+              pending_sums = group_sums;
+            }
+          }
         }
       }
-      if (pending) store_group(sums[(n - 1) & 1], *pending, bias, rows, y, out_features);
+      if (pending) store_group(pending_sums, *pending, bias, rows, y, out_features);
       _tile_release();
     });
   }
