@@ -92,6 +92,35 @@ def test_silu_next_to_a_bfloat16_midpoint_rounds_as_torch_rounds_it(fused):
     assert got[0, 0].item() == 5.90625
 
 
+def every_finite_bfloat16() -> torch.Tensor:
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return values[values.float().isfinite()]
+
+
+def test_silu_mul_gives_torchs_bits_for_every_bfloat16_gate(fused):
+    """Every finite bfloat16 gate, SiLU far below e^x's overflow (-0 there, not NaN) and near bfloat16 midpoints
+    included, times an up of 1 and of 3: torch's bits, value for value."""
+    gate = every_finite_bfloat16().view(-1, 32)
+    for up_value in (1.0, 3.0):
+        gate_up = torch.cat([gate, torch.full_like(gate, up_value)], dim=1)
+        got = fused.silu_mul(gate_up)
+        assert not got.isnan().any()
+        assert torch.equal(got, TorchLayerOps().silu_mul(gate_up))
+
+
+def test_float32_silu_is_within_a_few_ulp(fused):
+    """The float32 SiLU (its own e^x) against SiLU in double; and 0 where torch's e^-x overflows float32."""
+    gate = torch.linspace(-88.5, 100, 200_001)
+    got = fused.silu_mul(torch.stack([gate, torch.ones_like(gate)], dim=1))[:, 0]
+    exact = gate.double() / (1 + torch.exp(-gate.double()))
+    ulp = torch.finfo(torch.float32).eps * exact.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    assert not got.isnan().any()
+    assert ((got.double() - exact).abs() <= 4 * ulp).all()
+    beyond = -torch.linspace(88.75, 1000, 101)
+    assert torch.equal(fused.silu_mul(torch.stack([beyond, torch.ones_like(beyond)], dim=1))[:, 0],
+                       torch.zeros_like(beyond))
+
+
 def test_fused_ops_reject_what_they_cannot_run(fused):
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         fused.silu_mul(torch.zeros(2, 8, dtype=torch.float64))
