@@ -168,6 +168,35 @@ def test_a_prompt_gets_the_same_bits_in_any_chunks(kernel, dtype):
     assert torch.equal(chunked, whole)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("slope", [0.005, 0.02, 0.3])
+def test_prefill_softmax_follows_rising_scores(kernel, head_dim, slope):
+    """Scores that climb along the keys (a sawtooth), at a different rate in each query lane: each lane's maximum
+    moves mid-walk, by less or more than the kernel lets it lag before rescaling, and the result still matches, the
+    same bits in any chunks."""
+    gen = torch.Generator().manual_seed(head_dim)
+    heads, kv_heads, block_size, n = 4, 2, 16, 200
+    direction = torch.ones(head_dim)
+    ramp = (torch.arange(n) % 70).float() * slope
+    keys = ramp[:, None, None] * direction + 0.1 * torch.randn(n, kv_heads, head_dim, generator=gen)
+    k_cache = torch.zeros(14, block_size, kv_heads, head_dim)
+    k_cache[1:].flatten(0, 1)[:n] = keys
+    v_cache = torch.randn(14, block_size, kv_heads, head_dim, generator=gen)
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    tables = torch.arange(1, 14).view(1, 13)
+    q = ((1 + torch.arange(n) % 3).float()[:, None, None] * direction).expand(n, heads, head_dim).bfloat16()
+    q = (q.float() + 0.1 * torch.randn(n, heads, head_dim, generator=gen)).bfloat16()
+    scale = head_dim**-0.5
+    out = torch.empty_like(q)
+    kernel.prefill_attention(q, k_cache, v_cache, tables, torch.tensor([n]), torch.tensor([0, n]), 0, out, scale)
+    expected = obvious_chunk(q, k_cache[1:].flatten(0, 1)[:n], v_cache[1:].flatten(0, 1)[:n], scale)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    part = torch.empty_like(q[50:])
+    kernel.prefill_attention(q[50:].contiguous(), k_cache, v_cache, tables, torch.tensor([n]),
+                             torch.tensor([0, n - 50]), 0, part, scale)
+    assert torch.equal(part, out[50:])
+
+
 def test_prefill_kernel_rejects_bad_chunks(kernel):
     q = torch.zeros(4, 2, 8)
     cache = torch.zeros(4, 2, 1, 8)

@@ -8,10 +8,17 @@
 // Then each 16-token tile of one query head walks the keys 32 at a time, transposed: keys are tile rows and the 16
 // query tokens the lanes (Q^T and P^T are the B tiles). TDPBF16PS gives the 32 x 16 scores in float32; an online
 // softmax in AVX-512 turns them into probabilities (rounded to bfloat16 for the P V product, as flash-attention
-// kernels round them), its maxima and sums over keys taken lane by lane, and rescales the float32 output; TDPBF16PS
-// adds P V. Against scores with the queries as rows (a maximum and a sum across lanes per query and step),
-// alternating processes, medians of 5, ms a layer: 2048 tokens 11.6-12.0 -> 9.0-9.3, 512 0.87-0.90 -> 0.68-0.70,
-// 256 new tokens after 768 cached 1.39-1.40 -> 1.03-1.06. Every query token's arithmetic is its own (its own lane;
+// kernels round them), its maxima and sums over keys taken lane by lane; TDPBF16PS adds P V into the output sums,
+// which stay in tile registers (head sizes up to 64; the rest of a 128 in memory). A lane's maximum is moved, and its
+// sums rescaled, only when a step's scores exceed it by more than kLazyRescale (8): probabilities then reach up to
+// e^8 against the old maximum, which float32 sums and bfloat16 P hold with the same relative precision, and most
+// steps store, rescale and reload nothing (the lazy rescaling of FlashAttention-4). Against the rescale of every
+// step, with o in memory and the Cephes exp of vec.h (this file's exp16 scales by VSCALEFPS: no clamp, no integer
+// shifts), alternating processes, medians of 5, ms a layer: 2048 tokens 8.8 -> 6.1-6.9, 512 0.60-0.64 -> 0.49-0.51,
+// 256 new tokens after 768 cached 0.96-0.99 -> 0.74-0.82; against a float64 reference the mean error went 1.13e-4 ->
+// 1.19e-4 (2048 tokens), the largest stayed 8.0e-3. Before that, against scores with the queries as rows (a maximum
+// and a sum across lanes per query and step): 2048 tokens 11.6-12.0 -> 9.0-9.3, 512 0.87-0.90 -> 0.68-0.70, 256
+// after 768 1.39-1.40 -> 1.03-1.06. Every query token's arithmetic is its own (its own lane and its own maximum;
 // keys step in 32s from key 0), so a token gets the same bits whichever chunk or tile it is prefilled in.
 #include <torch/extension.h>
 
@@ -39,7 +46,6 @@ constexpr int64_t kItemTokens = 128;  // query tokens per work item (8 tiles of 
 constexpr float kMasked = loom::kMasked;
 
 typedef float V16 __attribute__((vector_size(64)));
-typedef int32_t I16 __attribute__((vector_size(64)));
 
 inline V16 load16(const float* p) {
   V16 v;
@@ -48,6 +54,48 @@ inline V16 load16(const float* p) {
 }
 inline void store16(float* p, V16 v) { std::memcpy(p, &v, sizeof v); }
 // Sixteen probabilities rounded to bfloat16 (VCVTNEPS2BF16), each in the low half of a 32-bit lane.
+// e^x for x <= kLazyRescale (scores minus their lane's maximum), sixteen lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by a
+// degree-5 polynomial (relative error under 2e-7; e^0 = 1 exactly), times 2^n by VSCALEFPS; below -87 (masked keys)
+// exactly 0, as exp_nonpositive_lanes of vec.h gives.
+inline V16 exp16(V16 x) {
+  const __m512 v = reinterpret_cast<__m512>(x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);  // ln 2 in two parts: n * hi is exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(8.26153252e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.18987535e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66681141e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.99991417e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.99999523e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return reinterpret_cast<V16>(_mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.f), _CMP_GE_OQ), p, n));
+}
+
+constexpr int64_t kHeldTiles = 4;      // output tiles kept in tile registers (0-3)
+constexpr float kLazyRescale = 8.f;   // how far a lane's maximum may rise before its sums are rescaled
+
+enum class TileOp { kZero, kLoad, kStore, kAddProduct };
+
+// `op` on output tile u (< kHeldTiles): the _tile_ intrinsics take literal tile numbers. kAddProduct adds tile 5
+// (values) times tile 7 (P^T).
+inline void tile_op(int64_t u, TileOp op, float* sums) {
+#define LOOM_TILE_OP(T)                                        \
+  switch (op) {                                               \
+    case TileOp::kZero: _tile_zero(T); break;                 \
+    case TileOp::kLoad: _tile_loadd(T, sums, 64); break;      \
+    case TileOp::kStore: _tile_stored(T, sums, 64); break;    \
+    case TileOp::kAddProduct: _tile_dpbf16ps(T, 5, 7); break; \
+  }
+  switch (u) {
+    case 0: LOOM_TILE_OP(0) break;
+    case 1: LOOM_TILE_OP(1) break;
+    case 2: LOOM_TILE_OP(2) break;
+    default: LOOM_TILE_OP(3) break;
+  }
+#undef LOOM_TILE_OP
+}
+
 inline __m512i bf16_lanes(V16 v) {
   return _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(v))));
 }
@@ -55,13 +103,13 @@ inline __m512i bf16_lanes(V16 v) {
 struct Scratch {
   std::vector<bf16> keys, values;  // the item's operand tiles (see the top of the file)
   std::vector<bf16> q, p;          // Q^T as B tiles [head_dim / 32][16][32]; P^T as a B tile [16][32]
-  std::vector<float> s, pv, o;     // scores [32 keys][16]; one step's P V [head_dim][16]; output sums [head_dim][16]
+  std::vector<float> s, pv, o;     // scores [32 keys][16]; one step's P V of a tile [16][16]; sums [head_dim][16]
   Scratch(const PagedGeometry& g, int64_t max_keys) {
     const int64_t steps = (max_keys + kStep - 1) / kStep;
     keys.resize(steps * 2 * (g.head_dim / 32) * kTileElems);
     values.resize(steps * (g.head_dim / 16) * kTileElems);
     q.resize(16 * g.head_dim), p.resize(16 * kStep);
-    s.resize(kStep * 16), pv.resize(16 * g.head_dim), o.resize(16 * g.head_dim);
+    s.resize(kStep * 16), pv.resize(16 * 16), o.resize(16 * g.head_dim);
   }
 };
 
@@ -149,21 +197,26 @@ void attend_tile(const bf16* q, int64_t t0, int64_t rows, int64_t first_pos, int
   float* pv = scratch.pv.data();
   float* o = scratch.o.data();
   bf16* p = scratch.p.data();
+  // The output sums O^T: its first kHeldTiles 16-dim tiles stay in tiles 0-3 (P V added by TDPBF16PS in place), the
+  // rest (head size 128) in `o`, each step's P V added from `pv`. Tile 4: scores, then P V for `o`; 5: key or value
+  // A tiles; 6: Q^T; 7: P^T.
+  const int64_t held = std::min(value_tiles, kHeldTiles);
   std::fill(o, o + 16 * head_dim, 0.f);
+  for (int64_t u = 0; u < held; ++u) tile_op(u, TileOp::kZero, nullptr);
   V16 m = V16{} + kMasked, l = V16{};
   const int64_t last_pos = first_pos + t0 + rows - 1;
   V16 pos;
   for (int n = 0; n < 16; ++n) pos[n] = static_cast<float>(first_pos + t0 + std::min<int64_t>(n, rows - 1));
   for (int64_t k0 = 0; k0 <= last_pos; k0 += kStep) {
     for (int64_t b = 0; b < 2; ++b) {
-      _tile_zero(0);
+      _tile_zero(4);
       const bf16* key_tiles = scratch.keys.data() + (k0 / kBlock + b) * dim_tiles * kTileElems;
       for (int64_t v = 0; v < dim_tiles; ++v) {
-        _tile_loadd(4, key_tiles + v * kTileElems, 64);
+        _tile_loadd(5, key_tiles + v * kTileElems, 64);
         _tile_loadd(6, qt + v * kTileElems, 64);
-        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(4, 5, 6);
       }
-      _tile_stored(0, s + b * 16 * 16, 64);
+      _tile_stored(4, s + b * 16 * 16, 64);
     }
     V16 x[kStep];
     V16 step_max = m;
@@ -172,28 +225,46 @@ void attend_tile(const bf16* q, int64_t t0, int64_t rows, int64_t first_pos, int
       x[j] = key > pos ? V16{} + kMasked : load16(s + j * 16) * g.scale;
       step_max = step_max > x[j] ? step_max : x[j];
     }
+    // A lane's maximum moves (and its sums are rescaled) only when the step's scores exceed it by more than
+    // kLazyRescale; else its probabilities are taken against the old maximum, up to e^kLazyRescale.
+    const __mmask16 rising = _mm512_cmp_ps_mask(reinterpret_cast<__m512>(step_max - m),
+                                                _mm512_set1_ps(kLazyRescale), _CMP_GT_OQ);
+    if (rising) {
+      const V16 new_m = reinterpret_cast<V16>(_mm512_mask_blend_ps(rising, reinterpret_cast<__m512>(m),
+                                                                   reinterpret_cast<__m512>(step_max)));
+      const V16 alpha = exp16(m - new_m);  // exactly 1 in the other lanes
+      for (int64_t u = 0; u < held; ++u) tile_op(u, TileOp::kStore, o + u * 256);
+      for (int64_t d = 0; d < head_dim; ++d) store16(o + d * 16, load16(o + d * 16) * alpha);
+      for (int64_t u = 0; u < held; ++u) tile_op(u, TileOp::kLoad, o + u * 256);
+      l *= alpha;
+      m = new_m;
+    }
     V16 row_sums = V16{};
     for (int64_t j = 0; j < kStep; j += 2) {
-      const V16 e0 = loom::exp_nonpositive_lanes<V16, I16>(x[j] - step_max);
-      const V16 e1 = loom::exp_nonpositive_lanes<V16, I16>(x[j + 1] - step_max);
+      const V16 e0 = exp16(x[j] - m);
+      const V16 e1 = exp16(x[j + 1] - m);
       row_sums += e0;
       row_sums += e1;
       // Row j / 2 of P^T's B tile: lane n holds query n's probabilities of keys j and j + 1.
       _mm512_storeu_si512(p + j * 16, _mm512_or_si512(bf16_lanes(e0), _mm512_slli_epi32(bf16_lanes(e1), 16)));
     }
-    const V16 alpha = loom::exp_nonpositive_lanes<V16, I16>(m - step_max);
-    l = l * alpha + row_sums;
-    m = step_max;
-    _tile_loadd(6, p, 64);
+    l += row_sums;
+    _tile_loadd(7, p, 64);
     const bf16* value_tiles_at = scratch.values.data() + (k0 / kStep) * value_tiles * kTileElems;
-    for (int64_t u = 0; u < value_tiles; ++u) {
-      _tile_zero(0);
-      _tile_loadd(4, value_tiles_at + u * kTileElems, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_stored(0, pv + u * 256, 64);
+    for (int64_t u = 0; u < held; ++u) {
+      _tile_loadd(5, value_tiles_at + u * kTileElems, 64);
+      tile_op(u, TileOp::kAddProduct, nullptr);
     }
-    for (int64_t d = 0; d < head_dim; ++d) store16(o + d * 16, load16(o + d * 16) * alpha + load16(pv + d * 16));
+    for (int64_t u = held; u < value_tiles; ++u) {
+      _tile_zero(4);
+      _tile_loadd(5, value_tiles_at + u * kTileElems, 64);
+      _tile_dpbf16ps(4, 5, 7);
+      _tile_stored(4, pv, 64);
+      float* sums = o + u * 256;
+      for (int64_t i = 0; i < 16; ++i) store16(sums + i * 16, load16(sums + i * 16) + load16(pv + i * 16));
+    }
   }
+  for (int64_t u = 0; u < held; ++u) tile_op(u, TileOp::kStore, o + u * 256);
   const V16 inv = 1.f / l;
   for (int64_t u = 0; u < value_tiles; ++u) {
     __m512i r[16];
