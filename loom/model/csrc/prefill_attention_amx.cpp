@@ -96,8 +96,14 @@ inline void tile_op(int64_t u, TileOp op, float* sums) {
 #undef LOOM_TILE_OP
 }
 
-inline __m512i bf16_lanes(V16 v) {
-  return _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(v))));
+// Two vectors rounded to bfloat16 (nearest even) and interleaved, 32-bit lane n = (low[n], high[n]): one
+// VCVTNE2PS2BF16 and one word permute.
+inline __m512i bf16_pairs(V16 low, V16 high) {
+  const __m512i both = reinterpret_cast<__m512i>(
+      _mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(high), reinterpret_cast<__m512>(low)));  // low's, then high's
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(interleave, both);
 }
 
 struct Scratch {
@@ -246,7 +252,7 @@ void attend_tile(const bf16* q, int64_t t0, int64_t rows, int64_t first_pos, int
       row_sums += e0;
       row_sums += e1;
       // Row j / 2 of P^T's B tile: lane n holds query n's probabilities of keys j and j + 1.
-      _mm512_storeu_si512(p + j * 16, _mm512_or_si512(bf16_lanes(e0), _mm512_slli_epi32(bf16_lanes(e1), 16)));
+      _mm512_storeu_si512(p + j * 16, bf16_pairs(e0, e1));
     }
     l += row_sums;
     _tile_loadd(7, p, 64);
