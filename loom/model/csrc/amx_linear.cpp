@@ -38,6 +38,9 @@ constexpr int64_t kBlockRows = 256;  // rows of x per pass over the weights, so 
 // the next slice. Without slicing, each row block pair read its panel pair from L2 again.
 constexpr int64_t kSliceChunks = 6;
 constexpr int64_t kSubBlocks = 4;
+constexpr int64_t kTripleMaxBlocks = 8;    // row blocks up to which panels go three at a time (below)
+constexpr int64_t kTripleMaxPanels = 256;  // and panels (4096 outputs)
+constexpr int64_t kSubPassTiles = 24;      // sums tiles of a sub-pass: 8 groups of 3 (or 2 groups of 2 x 2)
 
 using bf16 = c10::BFloat16;
 using loom::amx::configure_tiles;
@@ -53,35 +56,39 @@ struct RowBlock {
 
 // sums[RB][PB][16 x 16] (+)= RB row blocks of x . PB panels of W over k chunks [c0, c1), in order of k: from zero,
 // or resuming the sums stored by the previous k slice (float32 stored and reloaded exactly, so slicing changes no
-// bit). Tiles 0-3 hold the sums of (row block i, panel j) at 2i + j; 4-5 the two row blocks of x; 6-7 the two panels.
+// bit). Tiles 0-3 hold the sums of (row block i, panel j) at 2i + j; 4-5 the two row blocks of x; 6-7 the two panels
+// (a third panel, with one row block, in tile 5).
 template <int RB, int PB>
 void tile_group(const RowBlock* a, const bf16* panel, int64_t panel_elems, int64_t c0, int64_t c1, bool resume,
                 float* sums) {
+  static_assert(RB * PB <= 4 && RB + PB <= 4, "8 tiles: RB x PB sums, RB row blocks, PB panels");
   constexpr int64_t kSums = kRows * kPanel;
   if (resume) {
     _tile_loadd(0, sums, 64);
-    if constexpr (PB == 2) _tile_loadd(1, sums + kSums, 64);
-    if constexpr (RB == 2) _tile_loadd(2, sums + 2 * kSums, 64);
+    if constexpr (PB >= 2) _tile_loadd(1, sums + kSums, 64);
+    if constexpr (RB == 2 || PB == 3) _tile_loadd(2, sums + 2 * kSums, 64);
     if constexpr (RB == 2 && PB == 2) _tile_loadd(3, sums + 3 * kSums, 64);
   } else {
     _tile_zero(0);
-    if constexpr (PB == 2) _tile_zero(1);
-    if constexpr (RB == 2) _tile_zero(2);
+    if constexpr (PB >= 2) _tile_zero(1);
+    if constexpr (RB == 2 || PB == 3) _tile_zero(2);
     if constexpr (RB == 2 && PB == 2) _tile_zero(3);
   }
   for (int64_t c = c0; c < c1; ++c) {
     _tile_loadd(4, a[0].rows + c * kChunk, a[0].stride_bytes);
     if constexpr (RB == 2) _tile_loadd(5, a[1].rows + c * kChunk, a[1].stride_bytes);
     _tile_loadd(6, panel + c * kTileElems, 64);
-    if constexpr (PB == 2) _tile_loadd(7, panel + panel_elems + c * kTileElems, 64);
+    if constexpr (PB >= 2) _tile_loadd(7, panel + panel_elems + c * kTileElems, 64);
+    if constexpr (PB == 3) _tile_loadd(5, panel + 2 * panel_elems + c * kTileElems, 64);
     _tile_dpbf16ps(0, 4, 6);
-    if constexpr (PB == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (PB >= 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (PB == 3) _tile_dpbf16ps(2, 4, 5);
     if constexpr (RB == 2) _tile_dpbf16ps(2, 5, 6);
     if constexpr (RB == 2 && PB == 2) _tile_dpbf16ps(3, 5, 7);
   }
   _tile_stored(0, sums, 64);
-  if constexpr (PB == 2) _tile_stored(1, sums + kSums, 64);
-  if constexpr (RB == 2) _tile_stored(2, sums + 2 * kSums, 64);
+  if constexpr (PB >= 2) _tile_stored(1, sums + kSums, 64);
+  if constexpr (RB == 2 || PB == 3) _tile_stored(2, sums + 2 * kSums, 64);
   if constexpr (RB == 2 && PB == 2) _tile_stored(3, sums + 3 * kSums, 64);
 }
 
@@ -115,7 +122,7 @@ void store_tile_pair(const float* sums, const float* bias, int64_t rows, bf16* y
   }
 }
 
-// One tile_group's place in y: panels p (and p + 1 when pb == 2), row blocks b (and b + 1 when rb == 2).
+// One tile_group's place in y: panels p .. p + pb - 1, row blocks b (and b + 1 when rb == 2).
 struct TileGroup {
   int64_t p, b;
   int rb, pb;
@@ -127,16 +134,19 @@ void store_group(const float* sums, const TileGroup& g, const float* bias, int64
   for (int i = 0; i < g.rb; ++i) {
     const int64_t r0 = (g.b + i) * kRows;
     const int64_t n_rows = std::min(kRows, rows - r0);
-    const int64_t c0 = g.p * kPanel;
-    if (g.pb == 2 && c0 + 2 * kPanel <= out_features) {
-      store_tile_pair(sums + 2 * i * kRows * kPanel, bias ? bias + c0 : nullptr, n_rows, y + r0 * out_features + c0,
-                      out_features);
-      continue;
-    }
-    for (int j = 0; j < g.pb; ++j) {
+    for (int j = 0; j < g.pb;) {
       const int64_t c = (g.p + j) * kPanel;
-      store_tile(sums + (2 * i + j) * kRows * kPanel, bias ? bias + c : nullptr, n_rows,
-                 std::min(kPanel, out_features - c), y + r0 * out_features + c, out_features);
+      const float* tile_sums = sums + (2 * i + j) * kRows * kPanel;
+      // Two panels as one 64-byte store where that fills a cache line of y: from an even panel (a group of three
+      // starts at odd panels too).
+      if ((g.p + j) % 2 == 0 && j + 1 < g.pb && c + 2 * kPanel <= out_features) {
+        store_tile_pair(tile_sums, bias ? bias + c : nullptr, n_rows, y + r0 * out_features + c, out_features);
+        j += 2;
+      } else {
+        store_tile(tile_sums, bias ? bias + c : nullptr, n_rows, std::min(kPanel, out_features - c),
+                   y + r0 * out_features + c, out_features);
+        j += 1;
+      }
     }
   }
 }
@@ -161,36 +171,48 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const bf1
     if (r0 < copied_from) return {x + r0 * in_features, in_features * int64_t{sizeof(bf16)}};
     return {padded.data() + (r0 - copied_from) * padded_k, padded_k * int64_t{sizeof(bf16)}};
   };
+  // A decode step's few row blocks take panels three at a time, one row block a group: each x tile loaded from L2
+  // serves three panels instead of two. At 64 rows a panel pair's x tiles from L2 (72 KiB, ~1.4 us) and its
+  // weights from memory (36 KiB, ~2.6 us) did not overlap; a third of that x traffic goes (30 layers' matmuls, 48
+  // rows 11.6-11.7 -> 10.6-10.8 ms, 64 rows 12.7-13.0 -> 11.8-12.0, 128 rows 17.8-17.9 -> 16.3-17.0). From 9 row
+  // blocks on, 2 x 2 groups: more tile products for the tiles loaded. Not for weights as wide as an LM head's, which
+  // stream at memory's rate already (SmolLM2's at 64 rows: 56.6 MB in ~2.0 ms) and went slower with three weight
+  // streams a thread (2.0-2.1 -> 2.2-2.5 ms).
+  const bool triples = num_blocks >= 2 && num_blocks <= kTripleMaxBlocks && num_panels % 3 == 0 &&
+                       num_panels <= kTripleMaxPanels;
+  const int64_t group_panels = triples ? 3 : 2, group_blocks = triples ? 1 : 2;
+  const int64_t sub_blocks = triples ? kTripleMaxBlocks : kSubBlocks;
   const int64_t blocks_per_pass = kBlockRows / kRows;
   for (int64_t b0 = 0; b0 < num_blocks; b0 += blocks_per_pass) {
     const int64_t b1 = std::min(num_blocks, b0 + blocks_per_pass);
-    // Threads split the panel pairs: each weight tile is read by one thread, once per pass over the rows.
-    at::parallel_for(0, (num_panels + 1) / 2, 1, [&](int64_t q0, int64_t q1) {
+    // Threads split the panel groups: each weight tile is read by one thread, once per pass over the rows.
+    at::parallel_for(0, (num_panels + group_panels - 1) / group_panels, 1, [&](int64_t q0, int64_t q1) {
       configure_tiles();
       // Each group's sums are rounded into y after the next group's tiles are computed, not straight after their
       // tile stores (30 layers' matmuls at 64 rows: 12.0-12.5 -> 11.4-11.7 ms); so sums come in two sets, the
       // sub-pass's and the one before it.
-      constexpr int64_t kGroupSums = 4 * kRows * kPanel;
-      alignas(64) float sums[2][kSubBlocks / 2][kGroupSums];
+      constexpr int64_t kTileSums = kRows * kPanel;
+      alignas(64) float sums[2][kSubPassTiles * kTileSums];
       std::optional<TileGroup> pending;
       const float* pending_sums = nullptr;
       int64_t n = 0;
       for (int64_t q = q0; q < q1; ++q) {
-        const int64_t p = 2 * q;
-        const int pb = p + 1 < num_panels ? 2 : 1;
+        const int64_t p = group_panels * q;
+        const int pb = static_cast<int>(std::min(group_panels, num_panels - p));
         const bf16* panel = panels + p * panel_elems;
-        for (int64_t s0 = b0; s0 < b1; s0 += kSubBlocks, ++n) {
-          const int64_t s1 = std::min(b1, s0 + kSubBlocks);
+        for (int64_t s0 = b0; s0 < b1; s0 += sub_blocks, ++n) {
+          const int64_t s1 = std::min(b1, s0 + sub_blocks);
           // One group alone reuses no slice: it walks all of k at once.
-          const int64_t slice = s1 - s0 > 2 ? kSliceChunks : chunks;
+          const int64_t slice = s1 - s0 > group_blocks ? kSliceChunks : chunks;
           for (int64_t c0 = 0; c0 < chunks; c0 += slice) {
             const int64_t c1 = std::min(chunks, c0 + slice);
-            for (int64_t b = s0; b < s1; b += 2) {
-              const int rb = b + 1 < s1 ? 2 : 1;
+            for (int64_t b = s0; b < s1; b += group_blocks) {
+              const int rb = b + 1 < s1 && !triples ? 2 : 1;
               const RowBlock a[2] = {row_block(b), rb == 2 ? row_block(b + 1) : row_block(b)};
-              float* group_sums = sums[n & 1][(b - s0) / 2];
+              float* group_sums = sums[n & 1] + (b - s0) / group_blocks * group_panels * group_blocks * kTileSums;
               const bool resume = c0 > 0;
-              if (rb == 2 && pb == 2) tile_group<2, 2>(a, panel, panel_elems, c0, c1, resume, group_sums);
+              if (pb == 3) tile_group<1, 3>(a, panel, panel_elems, c0, c1, resume, group_sums);
+              else if (rb == 2 && pb == 2) tile_group<2, 2>(a, panel, panel_elems, c0, c1, resume, group_sums);
               else if (rb == 2) tile_group<2, 1>(a, panel, panel_elems, c0, c1, resume, group_sums);
               else if (pb == 2) tile_group<1, 2>(a, panel, panel_elems, c0, c1, resume, group_sums);
               else tile_group<1, 1>(a, panel, panel_elems, c0, c1, resume, group_sums);
