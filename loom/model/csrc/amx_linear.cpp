@@ -33,14 +33,14 @@ constexpr int64_t kPanel = 16;   // output columns in one tile (a panel)
 constexpr int64_t kChunk = 32;   // k values in one tile row: 64 bytes of bfloat16
 constexpr int64_t kTileElems = 16 * kChunk;  // one packed weight tile: 16 pair-rows x 16 columns x 2
 constexpr int64_t kBlockRows = 256;  // rows of x per pass over the weights, so the rows stay in L2
-// Within a pass, a panel pair's weights go by in slices of kSliceChunks k chunks (12 KiB for two panels), each
-// slice used by kSubBlocks row blocks in turn while it stays in L1; those row blocks' sums (8 KiB) wait in L1 for
-// the next slice. Without slicing, each row block pair read its panel pair from L2 again.
+// Within a pass, a panel group's weights go by in slices of kSliceChunks k chunks (12 KiB for two panels), each
+// slice used by a sub-pass of row blocks in turn while it stays in L1 (kSubBlocks of them in 2 x 2 groups, whose
+// sums, 8 KiB, wait in L1 for the next slice; the whole pass in groups of three panels, below). Without slicing,
+// each row block pair read its panel pair from L2 again.
 constexpr int64_t kSliceChunks = 6;
 constexpr int64_t kSubBlocks = 4;
-constexpr int64_t kTripleMaxBlocks = 8;    // row blocks up to which panels go three at a time (below)
-constexpr int64_t kTripleMaxPanels = 256;  // and panels (4096 outputs)
-constexpr int64_t kSubPassTiles = 24;      // sums tiles of a sub-pass: 8 groups of 3 (or 2 groups of 2 x 2)
+constexpr int64_t kTripleMaxPanels = 256;  // weights up to which panels go three at a time (4096 outputs; below)
+constexpr int64_t kSubPassTiles = 3 * kBlockRows / kRows;  // sums tiles of a sub-pass: a pass's 16 groups of 3
 
 using bf16 = c10::BFloat16;
 using loom::amx::configure_tiles;
@@ -171,18 +171,19 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const bf1
     if (r0 < copied_from) return {x + r0 * in_features, in_features * int64_t{sizeof(bf16)}};
     return {padded.data() + (r0 - copied_from) * padded_k, padded_k * int64_t{sizeof(bf16)}};
   };
-  // A decode step's few row blocks take panels three at a time, one row block a group: each x tile loaded from L2
-  // serves three panels instead of two. At 64 rows a panel pair's x tiles from L2 (72 KiB, ~1.4 us) and its
-  // weights from memory (36 KiB, ~2.6 us) did not overlap; a third of that x traffic goes (30 layers' matmuls, 48
-  // rows 11.6-11.7 -> 10.6-10.8 ms, 64 rows 12.7-13.0 -> 11.8-12.0, 128 rows 17.8-17.9 -> 16.3-17.0). From 9 row
-  // blocks on, 2 x 2 groups: more tile products for the tiles loaded. Not for weights as wide as an LM head's, which
-  // stream at memory's rate already (SmolLM2's at 64 rows: 56.6 MB in ~2.0 ms) and went slower with three weight
-  // streams a thread (2.0-2.1 -> 2.2-2.5 ms).
-  const bool triples = num_blocks >= 2 && num_blocks <= kTripleMaxBlocks && num_panels % 3 == 0 &&
-                       num_panels <= kTripleMaxPanels;
+  // Row blocks take panels three at a time, one row block a group, where the weight's panels divide so: each x tile
+  // loaded from L2 serves three panels instead of two (with 2 x 2 groups, at 64 rows, a panel pair's x tiles from
+  // L2, 72 KiB in ~1.4 us, and its weights from memory, 36 KiB in ~2.6 us, did not overlap), and a slice of the
+  // panels' weights serves the pass's row blocks from L1. 30 layers' matmuls: 48 rows 11.6-11.7 -> 10.6-10.8 ms, 64
+  // rows 12.7-13.0 -> 11.8-12.0, 128 rows 17.8-17.9 -> 16.3-17.0 (triples up to 8 row blocks first), then from 9
+  // row blocks on too: 192 rows 25.9 -> 23.7-24.1, 512 rows 58.9-59.2 -> 56.1-56.6, 2048 rows the same (208-210).
+  // Not for one row block (no x traffic to save), nor for weights
+  // as wide as an LM head's, which stream at memory's rate already (SmolLM2's at 64 rows: 56.6 MB in ~2.0 ms) and
+  // went slower with three weight streams a thread (2.0-2.1 -> 2.2-2.5 ms).
+  const bool triples = num_blocks >= 2 && num_panels % 3 == 0 && num_panels <= kTripleMaxPanels;
   const int64_t group_panels = triples ? 3 : 2, group_blocks = triples ? 1 : 2;
-  const int64_t sub_blocks = triples ? kTripleMaxBlocks : kSubBlocks;
   const int64_t blocks_per_pass = kBlockRows / kRows;
+  const int64_t sub_blocks = triples ? blocks_per_pass : kSubBlocks;
   for (int64_t b0 = 0; b0 < num_blocks; b0 += blocks_per_pass) {
     const int64_t b1 = std::min(num_blocks, b0 + blocks_per_pass);
     // Threads split the panel groups: each weight tile is read by one thread, once per pass over the rows.
