@@ -63,8 +63,8 @@ def test_amx_linear_matches_reference(amx, rows, in_features, out_features, with
 @pytest.mark.parametrize("out_features", [70, 96])
 def test_amx_rows_do_not_depend_on_the_batch(amx, out_features):
     """A row's result is bit-identical alone, in any position of a batch, and in batches of any size (several 16-row
-    tiles, a partial one, more than one 256-row pass; with whole panel triples, 2-8 row blocks go three panels a
-    group and more go 2 x 2)."""
+    tiles, a partial one, more than one 256-row pass; 96 outputs are whole panel triples, so one row block goes with
+    two panels a group and more row blocks with three; 70 outputs keep 2 x 2 groups)."""
     gen = torch.Generator().manual_seed(0)
     linear = amx.linear(torch.randn(out_features, 1536, generator=gen).bfloat16())
     batch = torch.randn(300, 1536, generator=gen).bfloat16()
