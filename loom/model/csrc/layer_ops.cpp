@@ -92,6 +92,14 @@ constexpr float kExpOverflow = 88.72f;
 // Below this e^x is under 2^-124: 1 + e^x is 1 in float32, so SiLU(-x) = -x exactly, with no subnormals to make.
 constexpr float kExpNegligible = -86.f;
 
+// 2^k as a float32, k in [-126, 127].
+inline float pow2(int32_t k) {
+  const int32_t bits = (k + 127) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 // e^x * 2^k, for x in [kExpNegligible, kExpOverflow] and k in [-64, 0]: x = n ln2 + r, |r| <= ln2 / 2, e^r by its
 // Taylor series to r^7 (the remainder under 6e-9 relative), times 2^(n + k) built in the exponent bits; within 2 ulp
 // of e^x. Against GCC's vector expf: the same on every libm, and no slower (bfloat16 silu_mul at 64 x 1536,
@@ -108,18 +116,7 @@ inline float exp_times_pow2(float x, int32_t k) {
   p = p * r + 1.f;
   p = p * r + 1.f;
   // 2^(n + k - 1), so that n = 128 (e^88.5) still fits float32's exponent field; then times 2 p, exactly.
-  const int32_t bits = (static_cast<int32_t>(n) + k + 126) << 23;
-  float half_scale;
-  std::memcpy(&half_scale, &bits, sizeof half_scale);
-  return (p + p) * half_scale;
-}
-
-// 2^k as a float32, k in [-126, 127].
-inline float pow2(int32_t k) {
-  const int32_t bits = (k + 127) << 23;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+  return (p + p) * pow2(static_cast<int32_t>(n) + k - 1);
 }
 
 // SiLU in float32 as torch computes it, x / (1 + e^-x), to a few ulp; vectorisable. Where e^-x nears float32's top,
