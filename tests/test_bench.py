@@ -6,14 +6,17 @@ import asyncio
 import json
 
 import pytest
+import torch
 
 from loom import EngineConfig, LLMEngine, SamplingParams
+from loom.bench.memory_roofline import read_bandwidth, run_roofline, weight_bytes
 from loom.bench.plots import kv_usage, slot_timeline, throughput_vs
 from loom.bench.serve_client import run_benchmark
 from loom.bench.stats import RequestRecord, distribution, summarize
 from loom.bench.workloads import BenchRequest, jsonl_workload
 from loom.config import CacheConfig, SchedulerConfig
-from loom.engine.trace import StepTracer
+from loom.engine.trace import StepRecord, StepTracer
+from loom.model.linear import make_matmul
 from test_server import running_server
 
 
@@ -106,6 +109,35 @@ def test_offline_line_reports_roofline_and_fragmentation(tiny_llama):
     assert 0 < line["kv_fragmentation"] < 0.75
 
 
+def _record(prefill: int, decode: int, sampled: int, in_cache: int) -> StepRecord:
+    return StepRecord(step=0, start=0.0, duration=0.0, prefill_tokens=prefill, decode_tokens=decode, pad_tokens=0,
+                      sampled_tokens=sampled, num_scheduled=0, running=0, waiting=0, blocks_used=0, blocks_total=0,
+                      tokens_in_cache=in_cache)
+
+
+def test_roofline_takes_each_steps_slower_side():
+    # A peak of 1 FLOP/s; 10 params a token in the layers, 100 in the head, 3 bytes of weights, 2 bytes of K/V a
+    # token.
+    long_prefill = _record(prefill=50, decode=0, sampled=1, in_cache=50)  # 2 * (500 + 100) = 1200 FLOPs, 203 bytes
+    decode = _record(prefill=0, decode=2, sampled=2, in_cache=40)  # 2 * (20 + 200) = 440 FLOPs, 87 bytes
+    r = run_roofline([long_prefill, decode], 10, 100, weights=3, kv_bytes_per_token=2, peak_flops=1.0, bandwidth=0.1)
+    assert r["matmul_flops"] == 1640
+    assert r["roofline_compute_seconds"] == pytest.approx(1640) and r["roofline_memory_seconds"] == pytest.approx(2900)
+    assert r["roofline_seconds"] == pytest.approx(2030 + 870)  # memory-bound both: 203 / 0.1 and 87 / 0.1
+    assert r["memory_bound_step_share"] == 1.0
+    r = run_roofline([long_prefill, decode], 10, 100, weights=3, kv_bytes_per_token=2, peak_flops=1.0, bandwidth=1.0)
+    assert r["roofline_seconds"] == pytest.approx(1200 + 440) and r["memory_bound_step_share"] == 0.0
+    r = run_roofline([long_prefill, decode], 10, 100, weights=3, kv_bytes_per_token=2, peak_flops=1.0, bandwidth=0.18)
+    assert r["roofline_seconds"] == pytest.approx(1200 + 87 / 0.18) and r["memory_bound_step_share"] == 0.5
+
+
+def test_weight_bytes_and_read_bandwidth(tiny_llama):
+    model = tiny_llama.build(torch.float32, make_matmul("torch"))
+    cfg = tiny_llama.config
+    assert weight_bytes(model) == 4 * (cfg.layer_matmul_params + cfg.lm_head_params)
+    assert read_bandwidth(nbytes=32 << 20, repeats=2) > 1e8  # bytes/s; any machine reads 100 MB/s
+
+
 def test_shared_prefix_workload_shares_its_system_prompt(smollm2):
     from loom.bench.workloads import shared_prefix_workload
 
@@ -123,8 +155,14 @@ def test_perf_figures_on_a_tiny_model(tiny_llama):
                        tiny_llama)
     peak = matmul_peak(engine.runner.model, rows_options=(8, 64))
     assert peak["peak_gflops"] > 0 and set(peak["gflops_by_rows_all_shapes"]) == {8, 64}
-    decode = decode_step(engine, batch=4, context=20)
+    decode = decode_step(engine, batch=4, context=20, bandwidth=1e10)
     assert decode["batch"] == 4 and decode["step_ms"] > 0 and decode["matmuls_alone_ms"] > 0
+    # 4 requests of 20 prompt tokens, each with one or more tokens decoded: their K/V on top of the weights.
+    spec = engine.runner.kv_spec
+    weights, kv_per_token = weight_bytes(engine.runner.model), spec.bytes_per_block / spec.block_size
+    assert decode["matmuls_memory_floor_ms"] == round(weights / 1e10 * 1e3, 2)
+    assert (weights + 4 * 21 * kv_per_token) / weights <= decode["memory_floor_step_over_matmuls"] < 1 + (
+        4 * 30 * kv_per_token) / weights
     assert 0 <= decode["metadata_ms"] < decode["step_ms"]
     pre = prefill(engine, 100, peak["peak_gflops"], repeats=1)
     assert pre["prompt_tokens"] == 100 and pre["fraction_of_peak"] > 0
@@ -149,3 +187,6 @@ def test_offline_run_holds_itself_to_its_own_matmul_peak(tiny_llama_dir, capsys)
         assert line["matmul_backend"] != "quantized"  # a Hugging Face directory has no GGUF blocks
         assert line["fraction_of_peak"] == round(line["model_gflops"] / line["matmul_peak_gflops"], 3)
         assert line["matmul_peak_gflops"] == max(line["matmul_peak_before_after_gflops"]) > 0
+        assert line["read_bandwidth_gbps"] > 0 and line["roofline_seconds"] > 0
+        assert line["seconds_over_roofline"] == pytest.approx(line["seconds"] / line["roofline_seconds"], rel=0.05)
+        assert 0 < line["roofline_fraction_of_peak"] <= 1

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from loom.bench.matmul_timing import matmul_backend_name, matmul_peak
+from loom.bench.memory_roofline import read_bandwidth, run_roofline, weight_bytes
 from loom.bench.workloads import BenchRequest, article_workload, mixed_workload, shared_prefix_workload
 from loom.cli import engine_config
 from loom.config import SchedulerConfig
@@ -66,6 +67,25 @@ def run_once(engine: LLMEngine, requests: list[BenchRequest], policy: str, max_n
         "prefix_cache_hit_tokens": engine.scheduler.prefix_cache_hits,
         "prefix_caching": engine.config.cache.enable_prefix_caching and policy == "continuous",
     }, [o.token_ids for o in outputs], tracer
+
+
+def roofline_figures(engine: LLMEngine, tracer: StepTracer, line: dict, peak_gflops: float,
+                     bandwidth: float) -> dict:
+    """The run against its roofline on this machine (memory_roofline.py): the time its steps' FLOPs and bytes
+    allow at the measured peak and read bandwidth, how far the run is from it, and the fraction of the matmul peak
+    that the roofline itself allows."""
+    cfg, spec = engine.model_config, engine.runner.kv_spec
+    roofline = run_roofline(tracer.records, cfg.layer_matmul_params, cfg.lm_head_params,
+                            weight_bytes(engine.runner.model), spec.bytes_per_block / spec.block_size,
+                            peak_gflops * 1e9, bandwidth)
+    seconds = roofline["roofline_seconds"]
+    return {
+        "read_bandwidth_gbps": round(bandwidth / 1e9, 1),
+        "roofline_seconds": round(seconds, 4),
+        "roofline_memory_bound_step_share": round(roofline["memory_bound_step_share"], 3),
+        "seconds_over_roofline": round(line["seconds"] / seconds, 2),
+        "roofline_fraction_of_peak": round(roofline["matmul_flops"] / seconds / (peak_gflops * 1e9), 3),
+    }
 
 
 def emit(line: dict) -> None:
@@ -131,6 +151,7 @@ def main(args: argparse.Namespace) -> int:
         # measured before and after the run (this VM's speed drifts by tens of percent from minute to minute); the
         # higher of the two, so the fraction errs low. One run's "after" is the next one's "before".
         before = matmul_peak(engine.runner.model)["peak_gflops"]
+        bandwidth_before = read_bandwidth()  # the same before-and-after rule for the memory side of the roofline
         for name in names:
             requests, seqs = workloads[name]
             results, tokens, traces = {}, {}, {}  # traces: policy -> StepTracer
@@ -141,10 +162,12 @@ def main(args: argparse.Namespace) -> int:
                 results[policy], tokens[policy], traces[policy] = run_once(
                     engine, requests, policy, seqs, args.max_num_batched_tokens)
                 after = matmul_peak(engine.runner.model)["peak_gflops"]
-                peak = max(before, after)
+                bandwidth_after = read_bandwidth()
+                peak, bandwidth = max(before, after), max(bandwidth_before, bandwidth_after)
                 emit({**base, "matmul_peak_gflops": peak, "matmul_peak_before_after_gflops": [before, after],
-                      **results[policy], "fraction_of_peak": round(results[policy]["model_gflops"] / peak, 3)})
-                before = after
+                      **results[policy], "fraction_of_peak": round(results[policy]["model_gflops"] / peak, 3),
+                      **roofline_figures(engine, traces[policy], results[policy], peak, bandwidth)})
+                before, bandwidth_before = after, bandwidth_after
                 if args.trace:
                     traces[policy].save_chrome_trace(Path(args.trace) / f"{name}-{label}-{policy}.json")
             if {"static", "continuous"} <= set(results):

@@ -27,6 +27,7 @@ import httpx
 import torch
 
 from loom.bench.matmul_timing import matmul_backend_name, matmul_peak, matmuls_alone, median_seconds
+from loom.bench.memory_roofline import read_bandwidth, weight_bytes
 from loom.bench.offline import emit, run_once
 from loom.bench.serve_client import free_loopback_port, wait_until_healthy
 from loom.bench.workloads import mixed_workload
@@ -50,8 +51,11 @@ def _random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 @torch.inference_mode()
-def decode_step(engine: LLMEngine, batch: int, context: int, seed: int = 0) -> dict:
-    """Fill the running set with `batch` requests of `context` prompt tokens, then time their decode steps."""
+def decode_step(engine: LLMEngine, batch: int, context: int, bandwidth: float, seed: int = 0) -> dict:
+    """Fill the running set with `batch` requests of `context` prompt tokens, then time their decode steps.
+
+    Beside the times: the step's floors at `bandwidth` bytes/s (its matmuls stream every weight once; the step adds
+    every request's K/V once), whose ratio is the lowest step_over_matmuls that memory allows."""
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     ids = [
@@ -80,6 +84,8 @@ def decode_step(engine: LLMEngine, batch: int, context: int, seed: int = 0) -> d
     for i in ids:
         engine.abort(i)
     outside = step_s - forward_s - logits_s
+    weights = weight_bytes(model)
+    kv = sum(meta.context_lens_host) * runner.kv_spec.bytes_per_block / runner.kv_spec.block_size
     return {
         "batch": batch,
         "context_tokens": context,
@@ -93,6 +99,10 @@ def decode_step(engine: LLMEngine, batch: int, context: int, seed: int = 0) -> d
         "outside_forward_ms": round(outside * 1e3, 2),
         "outside_forward_share": round(outside / step_s, 3),
         "output_tokens_per_s": round(batch / step_s, 1),
+        "read_bandwidth_gbps": round(bandwidth / 1e9, 1),
+        "matmuls_memory_floor_ms": round(weights / bandwidth * 1e3, 2),
+        "step_memory_floor_ms": round((weights + kv) / bandwidth * 1e3, 2),
+        "memory_floor_step_over_matmuls": round((weights + kv) / weights, 2),
     }
 
 
@@ -230,8 +240,9 @@ def main(args: argparse.Namespace) -> int:
         if "peak" in figures:
             emit({"figure": "matmul_peak", **base, **peak})
         if "decode" in figures:
+            bandwidth = read_bandwidth()
             for batch in (int(b) for b in args.decode_batches.split(",")):
-                emit({"figure": "decode", **base, **decode_step(engine, batch, args.context)})
+                emit({"figure": "decode", **base, **decode_step(engine, batch, args.context, bandwidth)})
         if "prefill" in figures:
             emit({"figure": "prefill", **base, **prefill(engine, args.prefill_tokens, peak["peak_gflops"])})
         if "interference" in figures:

@@ -31,6 +31,7 @@ class StepRecord:
     prefill_tokens: int
     decode_tokens: int
     pad_tokens: int
+    sampled_tokens: int  # rows that went through the LM head (a chunk stopping mid-prompt samples none)
     num_scheduled: int
     running: int
     waiting: int
@@ -64,6 +65,7 @@ class StepTracer:
             prefill_tokens=out.num_prefill_tokens,
             decode_tokens=out.num_scheduled_tokens - out.num_prefill_tokens,
             pad_tokens=out.num_pad_tokens,
+            sampled_tokens=0 if result is None else sum(t is not None for t in result.tokens),
             num_scheduled=len(out.scheduled),
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),
