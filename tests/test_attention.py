@@ -97,6 +97,34 @@ def test_kernel_rejects_bad_lengths(kernel):
         kernel.decode_attention(q, cache, cache, tables, torch.tensor([0, 1]), torch.empty_like(q), 1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_read_q_in_place_from_the_qkv_rows(kernel, dtype):
+    """The forward hands the kernels q as a view of the fused qkv projection's rows (each row's q heads contiguous,
+    rows a qkv row apart): the same bits as a contiguous copy, for decodes and prefill chunks; a q whose rows are not
+    contiguous is refused."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    k_cache = torch.randn(40, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(40, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    tables = (torch.randperm(39, generator=gen)[:30] + 1).view(3, 10)
+    qkv = torch.randn(40, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv.view(40, -1, head_dim)[:, :heads]
+    assert not q.is_contiguous()
+    lens, scale = torch.tensor([70, 33, 100]), head_dim**-0.5
+    in_place, copied = torch.empty(3, heads, head_dim, dtype=dtype), torch.empty(3, heads, head_dim, dtype=dtype)
+    kernel.decode_attention(q[:3], k_cache, v_cache, tables, lens, in_place, scale)
+    kernel.decode_attention(q[:3].contiguous(), k_cache, v_cache, tables, lens, copied, scale)
+    assert torch.equal(in_place, copied)
+    starts = torch.tensor([0, 1, 8, 40])  # one decode row, then chunks of 7 and 32 tokens
+    in_place, copied = torch.empty(40, heads, head_dim, dtype=dtype), torch.empty(40, heads, head_dim, dtype=dtype)
+    kernel.prefill_attention(q, k_cache, v_cache, tables, lens, starts, 1, in_place, scale)
+    kernel.prefill_attention(q.contiguous(), k_cache, v_cache, tables, lens, starts, 1, copied, scale)
+    assert torch.equal(in_place[1:], copied[1:])
+    with pytest.raises(RuntimeError, match="each row of q contiguous"):
+        kernel.decode_attention(q[:3].transpose(0, 1).contiguous().transpose(0, 1), k_cache, v_cache, tables, lens,
+                                torch.empty(3, heads, head_dim, dtype=dtype), scale)
+
+
 def obvious_chunk(q, keys, values, scale):
     """Causal attention of the last n of ctx positions, one head at a time, with a full mask."""
     n, ctx, group = q.shape[0], keys.shape[0], q.shape[1] // keys.shape[1]

@@ -130,7 +130,7 @@ class PagedKernelAttention(SdpaAttention):
     def attend(self, q, k, v, kv_cache: KVCache, meta: BatchMetadata, scale: float, out: torch.Tensor) -> None:
         if q.device.type != "cpu":
             return super().attend(q, k, v, kv_cache, meta, scale, out)
-        q, nd = q.contiguous(), meta.num_decodes
+        nd = meta.num_decodes  # q is a view of the qkv projection's rows: the kernels read it in place
         if nd:
             self.kernel.decode_attention(
                 q[:nd], *kv_cache, meta.block_tables[:nd], meta.context_lens[:nd], out[:nd], scale

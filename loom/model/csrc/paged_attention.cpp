@@ -543,7 +543,7 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
           const int64_t first = it.chunk * g.num_heads + it.heads.first * g.group();  // the item's first head
           partial = {chunk_acc.data() + first * g.head_dim, chunk_max.data() + first, chunk_sum.data() + first};
         }
-        attend(q + it.seq * g.num_heads * g.head_dim, k_cache, v_cache, block_tables + it.seq * g.max_blocks,
+        attend(q + it.seq * g.q_row_stride, k_cache, v_cache, block_tables + it.seq * g.max_blocks,
                it.begin, it.end, context_lens[it.seq], it.heads, out + it.seq * g.num_heads * g.head_dim,
                it.chunk < 0 ? nullptr : &partial, g, scratch);
       });

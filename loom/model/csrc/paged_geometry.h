@@ -11,32 +11,36 @@
 
 namespace loom {
 
-// q and out [rows, num_heads, head_dim]; caches [blocks, block_size, num_kv_heads, head_dim], so one token's row of
-// a block holds row_size = num_kv_heads * head_dim values; block tables [sequences, max_blocks].
+// q and out [rows, num_heads, head_dim], q's rows q_row_stride values apart (a view of the fused qkv projection's rows,
+// read in place) and out's contiguous; caches [blocks, block_size, num_kv_heads, head_dim], so one token's row of a
+// block holds row_size = num_kv_heads * head_dim values; block tables [sequences, max_blocks].
 struct PagedGeometry {
-  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, row_size;
+  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, row_size, q_row_stride;
   float scale;
 
   int64_t group() const { return num_heads / num_kv_heads; }              // query heads per KV head
   int64_t padded_dim() const { return (head_dim + kLanes - 1) / kLanes * kLanes; }  // whole vectors
 };
 
-// Checks what both kernels need (CPU, contiguous, shapes, matching dtypes, int64 tables and lengths, whole GQA
-// groups) and returns the geometry; `kernel` names the caller in the errors.
+// Checks what both kernels need (CPU, contiguous out and caches, each row of q contiguous, shapes, matching dtypes,
+// int64 tables and lengths, whole GQA groups) and returns the geometry; `kernel` names the caller in the errors.
 inline PagedGeometry check_paged_inputs(const char* kernel, const torch::Tensor& q, const torch::Tensor& k_cache,
                                         const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                                         const torch::Tensor& context_lens, const torch::Tensor& out, double scale) {
   TORCH_CHECK(q.device().is_cpu(), kernel, " runs on CPU tensors");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), kernel,
-              " needs contiguous q, out and caches");
+  TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), kernel,
+              " needs contiguous out and caches");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be [rows, H, D] and caches [blocks, block_size, KVH, D]");
+  TORCH_CHECK((q.size(2) <= 1 || q.stride(2) == 1) && (q.size(1) <= 1 || q.stride(1) == q.size(2)) &&
+                  (q.size(0) <= 1 || q.stride(0) >= q.size(1) * q.size(2)),
+              kernel, " needs each row of q contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(), "dtype mismatch");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
   const int64_t num_heads = q.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   return {num_heads, num_kv_heads, q.size(2), k_cache.size(1), block_tables.size(1), num_kv_heads * q.size(2),
-          static_cast<float>(scale)};
+          q.size(0) > 1 ? q.stride(0) : q.size(1) * q.size(2), static_cast<float>(scale)};
 }
 
 // Runs work(i, scratch) for every i in [0, num_items) on up to torch's thread count, items handed out one at a time

@@ -115,7 +115,7 @@ void attend_tile(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
   for (int64_t r = 0; r < kRows; ++r) {
     const int64_t token = (row0 + std::min(r, rows - 1)) / group, head = kvh * group + (row0 + r) % group;
     pos_f[r] = static_cast<float>(ctx - n + token);
-    const T* qr = q + (token * g.num_heads + head) * head_dim;
+    const T* qr = q + token * g.q_row_stride + head * head_dim;
     for (int64_t d = 0; d < head_dim; ++d) qt_f[d * kRows + r] = r < rows ? widen(qr[d]) * g.scale : 0.f;
   }
   std::fill(ot, ot + head_dim * kVecs, Vec{});
@@ -201,7 +201,7 @@ void prefill_attention_impl(const T* q, const T* k_cache, const T* v_cache, cons
       [&](int64_t i, Scratch& scratch) {
         const Item& it = items[i];
         const int64_t start = query_starts[it.seq];
-        attend_tile(q + start * g.num_heads * g.head_dim, k_cache, v_cache, block_tables + it.seq * g.max_blocks,
+        attend_tile(q + start * g.q_row_stride, k_cache, v_cache, block_tables + it.seq * g.max_blocks,
                     query_starts[it.seq + 1] - start, context_lens[it.seq], it.kvh, it.row0,
                     out + start * g.num_heads * g.head_dim, g, scratch.tile, scratch.kv_buffer);
       });

@@ -194,7 +194,7 @@ void attend_tile(const bf16* q, int64_t t0, int64_t rows, int64_t first_pos, int
   for (int64_t v = 0; v < dim_tiles; ++v) {
     __m512i r[16];
     for (int64_t n = 0; n < 16; ++n)
-      r[n] = n < rows ? _mm512_loadu_si512(q + ((t0 + n) * g.num_heads + head) * head_dim + v * 32)
+      r[n] = n < rows ? _mm512_loadu_si512(q + (t0 + n) * g.q_row_stride + head * head_dim + v * 32)
                       : _mm512_setzero_si512();
     transpose16x16(r);
     for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(qt + v * kTileElems + i * 32, r[i]);
@@ -314,7 +314,7 @@ bool prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& k_cache,
         loom::amx::configure_tiles();
         lay_out_keys_and_values(k_data, v_data, tables + it.seq * g.max_blocks, first_pos + it.t1, it.kvh, g,
                                 scratch);
-        const bf16* q_chunk = q_data + start * g.num_heads * g.head_dim;
+        const bf16* q_chunk = q_data + start * g.q_row_stride;
         bf16* out_chunk = out_data + start * g.num_heads * g.head_dim;
         for (int64_t h = it.kvh * g.group(); h < (it.kvh + 1) * g.group(); ++h)
           for (int64_t t0 = it.t0; t0 < it.t1; t0 += 16)
