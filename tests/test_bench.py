@@ -188,5 +188,9 @@ def test_offline_run_holds_itself_to_its_own_matmul_peak(tiny_llama_dir, capsys)
         assert line["fraction_of_peak"] == round(line["model_gflops"] / line["matmul_peak_gflops"], 3)
         assert line["matmul_peak_gflops"] == max(line["matmul_peak_before_after_gflops"]) > 0
         assert line["read_bandwidth_gbps"] > 0 and line["roofline_seconds"] > 0
+        # Each step takes the longer of its two sides, so the run's roofline is between the larger sum and both.
+        longer = max(line["roofline_compute_seconds"], line["roofline_memory_seconds"])
+        both = line["roofline_compute_seconds"] + line["roofline_memory_seconds"]
+        assert longer - 1e-4 <= line["roofline_seconds"] <= both + 1e-4
         assert line["seconds_over_roofline"] == pytest.approx(line["seconds"] / line["roofline_seconds"], rel=0.05)
         assert 0 < line["roofline_fraction_of_peak"] <= 1

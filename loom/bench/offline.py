@@ -82,6 +82,8 @@ def roofline_figures(engine: LLMEngine, tracer: StepTracer, line: dict, peak_gfl
     return {
         "read_bandwidth_gbps": round(bandwidth / 1e9, 1),
         "roofline_seconds": round(seconds, 4),
+        "roofline_compute_seconds": round(roofline["roofline_compute_seconds"], 4),  # every step at the peak
+        "roofline_memory_seconds": round(roofline["roofline_memory_seconds"], 4),  # every step at the bandwidth
         "roofline_memory_bound_step_share": round(roofline["memory_bound_step_share"], 3),
         "seconds_over_roofline": round(line["seconds"] / seconds, 2),
         "roofline_fraction_of_peak": round(roofline["matmul_flops"] / seconds / (peak_gflops * 1e9), 3),
