@@ -177,9 +177,9 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const bf1
   // panels' weights serves the pass's row blocks from L1. 30 layers' matmuls: 48 rows 11.6-11.7 -> 10.6-10.8 ms, 64
   // rows 12.7-13.0 -> 11.8-12.0, 128 rows 17.8-17.9 -> 16.3-17.0 (triples up to 8 row blocks first), then from 9
   // row blocks on too: 192 rows 25.9 -> 23.7-24.1, 512 rows 58.9-59.2 -> 56.1-56.6, 2048 rows the same (208-210).
-  // Not for one row block (no x traffic to save), nor for weights
-  // as wide as an LM head's, which stream at memory's rate already (SmolLM2's at 64 rows: 56.6 MB in ~2.0 ms) and
-  // went slower with three weight streams a thread (2.0-2.1 -> 2.2-2.5 ms).
+  // Not for one row block (no x traffic to save), nor for weights as wide as an LM head's, which stream at memory's
+  // rate already (SmolLM2's at 64 rows: 56.6 MB in ~2.0 ms) and went slower with three weight streams a thread
+  // (2.0-2.1 -> 2.2-2.5 ms).
   const bool triples = num_blocks >= 2 && num_panels % 3 == 0 && num_panels <= kTripleMaxPanels;
   const int64_t group_panels = triples ? 3 : 2, group_blocks = triples ? 1 : 2;
   const int64_t blocks_per_pass = kBlockRows / kRows;

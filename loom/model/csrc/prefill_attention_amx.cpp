@@ -53,7 +53,6 @@ inline V16 load16(const float* p) {
   return v;
 }
 inline void store16(float* p, V16 v) { std::memcpy(p, &v, sizeof v); }
-// Sixteen probabilities rounded to bfloat16 (VCVTNEPS2BF16), each in the low half of a 32-bit lane.
 // e^x for x <= kLazyRescale (scores minus their lane's maximum), sixteen lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by a
 // degree-5 polynomial (relative error under 2e-7; e^0 = 1 exactly), times 2^n by VSCALEFPS; below -87 (masked keys)
 // exactly 0, as exp_nonpositive_lanes of vec.h gives.
