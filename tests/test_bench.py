@@ -158,8 +158,7 @@ def test_perf_figures_on_a_tiny_model(tiny_llama):
     decode = decode_step(engine, batch=4, context=20, bandwidth=1e10)
     assert decode["batch"] == 4 and decode["step_ms"] > 0 and decode["matmuls_alone_ms"] > 0
     # 4 requests of 20 prompt tokens, each with one or more tokens decoded: their K/V on top of the weights.
-    spec = engine.runner.kv_spec
-    weights, kv_per_token = weight_bytes(engine.runner.model), spec.bytes_per_block / spec.block_size
+    weights, kv_per_token = weight_bytes(engine.runner.model), engine.runner.kv_spec.bytes_per_token
     assert decode["matmuls_memory_floor_ms"] == round(weights / 1e10 * 1e3, 2)
     assert (weights + 4 * 21 * kv_per_token) / weights <= decode["memory_floor_step_over_matmuls"] < 1 + (
         4 * 30 * kv_per_token) / weights

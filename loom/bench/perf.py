@@ -85,7 +85,7 @@ def decode_step(engine: LLMEngine, batch: int, context: int, bandwidth: float, s
         engine.abort(i)
     outside = step_s - forward_s - logits_s
     weights = weight_bytes(model)
-    kv = sum(meta.context_lens_host) * runner.kv_spec.bytes_per_block / runner.kv_spec.block_size
+    kv = sum(meta.context_lens_host) * runner.kv_spec.bytes_per_token
     return {
         "batch": batch,
         "context_tokens": context,

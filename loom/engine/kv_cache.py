@@ -150,9 +150,14 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @property
-    def bytes_per_block(self) -> int:
+    def bytes_per_token(self) -> int:
+        """K and V of one token in every layer."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.bytes_per_token
 
     def num_blocks_for_memory(self, memory_bytes: int) -> int:
         return max(2, memory_bytes // self.bytes_per_block)
