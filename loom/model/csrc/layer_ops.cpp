@@ -142,21 +142,33 @@ inline float silu_in_double(float x) {
   return static_cast<float>(g / (1.0 + std::exp(-g)));
 }
 
+// GCC's -march=native tuning for AVX-512 CPUs vectorises loops 8 lanes wide; this asks for 16 (x86 GCC only: Clang and
+// other targets do not know the option).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define LOOM_WIDE_VECTORS __attribute__((noinline, target("prefer-vector-width=512")))
+#else
+#define LOOM_WIDE_VECTORS
+#endif
+
+// One row's SiLU(gate) * up, `silu` its float32 scratch. Its cost is its exponentials and divisions: 16 lanes wide,
+// alternating builds, medians of 201 calls, bfloat16 256 x 1536: 152-155 -> 116-117 us; 64 x 1536: 38 -> 29 us;
+// inside a 2048-token prefill 46-50 -> 40-41 ms. Same bits (every bfloat16 gate against torch).
+template <typename T>
+LOOM_WIDE_VECTORS void silu_mul_row(const T* gate, const T* up, T* out, float* silu, int64_t width) {
+  for (int64_t i = 0; i < width; ++i) silu[i] = silu_float(widen(gate[i]));
+  if constexpr (!std::is_same_v<T, float>) {
+    for (int64_t i = 0; i < width; ++i)
+      if (near_bf16_tie(silu[i])) silu[i] = silu_in_double(widen(gate[i]));
+  }
+  for (int64_t i = 0; i < width; ++i) out[i] = narrow<T>(rounded<T>(silu[i]) * widen(up[i]));
+}
+
 template <typename T>
 void silu_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t width) {
   at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
     std::vector<float> silu(width);
-    for (int64_t r = begin; r < end; ++r) {
-      const T* gate = gate_up + r * 2 * width;
-      const T* up = gate + width;
-      T* orow = out + r * width;
-      for (int64_t i = 0; i < width; ++i) silu[i] = silu_float(widen(gate[i]));
-      if constexpr (!std::is_same_v<T, float>) {
-        for (int64_t i = 0; i < width; ++i)
-          if (near_bf16_tie(silu[i])) silu[i] = silu_in_double(widen(gate[i]));
-      }
-      for (int64_t i = 0; i < width; ++i) orow[i] = narrow<T>(rounded<T>(silu[i]) * widen(up[i]));
-    }
+    for (int64_t r = begin; r < end; ++r)
+      silu_mul_row(gate_up + r * 2 * width, gate_up + r * 2 * width + width, out + r * width, silu.data(), width);
   });
 }
 
