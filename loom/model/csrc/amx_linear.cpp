@@ -158,7 +158,7 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const bf1
   const int64_t padded_k = chunks * kChunk;
   const int64_t num_blocks = (rows + kRows - 1) / kRows;
   // x as AMX reads it: full row blocks in place when each row is whole chunks, else from a zero-padded copy.
-  std::vector<bf16> padded;
+  loom::amx::TileBuffer<bf16> padded;
   const bool in_place = in_features == padded_k;
   const int64_t copied_from = in_place ? rows / kRows * kRows : 0;
   if (copied_from < rows) {
