@@ -10,16 +10,20 @@
 // softmax in AVX-512 turns them into probabilities (rounded to bfloat16 for the P V product, as flash-attention
 // kernels round them), its maxima and sums over keys taken lane by lane; TDPBF16PS adds P V into the output sums,
 // which stay in tile registers (head sizes up to 64; the rest of a 128 in memory). A lane's maximum is moved, and its
-// sums rescaled, only when a step's scores exceed it by more than kLazyRescale (8): probabilities then reach up to
-// e^8 against the old maximum, which float32 sums and bfloat16 P hold with the same relative precision, and most
-// steps store, rescale and reload nothing (the lazy rescaling of FlashAttention-4). Against the rescale of every
-// step, with o in memory and the Cephes exp of vec.h (this file's exp16 scales by VSCALEFPS: no clamp, no integer
-// shifts), alternating processes, medians of 5, ms a layer: 2048 tokens 8.8 -> 6.1-6.9, 512 0.60-0.64 -> 0.49-0.51,
-// 256 new tokens after 768 cached 0.96-0.99 -> 0.74-0.82; against a float64 reference the mean error went 1.13e-4 ->
-// 1.19e-4 (2048 tokens), the largest stayed 8.0e-3. Before that, against scores with the queries as rows (a maximum
-// and a sum across lanes per query and step): 2048 tokens 11.6-12.0 -> 9.0-9.3, 512 0.87-0.90 -> 0.68-0.70, 256
-// after 768 1.39-1.40 -> 1.03-1.06. Every query token's arithmetic is its own (its own lane and its own maximum;
-// keys step in 32s from key 0), so a token gets the same bits whichever chunk or tile it is prefilled in.
+// sums rescaled, only when a step's scores exceed it by more than kLazyRescale (8, in units of log2): probabilities
+// then reach up to 2^8 against the old maximum, which float32 sums and bfloat16 P hold with the same relative
+// precision, and most steps store, rescale and reload nothing (the lazy rescaling of FlashAttention-4). Against the
+// rescale of every step, with o in memory and the Cephes exp of vec.h, alternating processes, medians of 5, ms a
+// layer: 2048 tokens 8.8 -> 6.1-6.9, 512 0.60-0.64 -> 0.49-0.51, 256 new tokens after 768 cached 0.96-0.99 ->
+// 0.74-0.82. Before that, against scores with the queries as rows (a maximum and a sum across lanes per query and
+// step): 2048 tokens 11.6-12.0 -> 9.0-9.3, 512 0.87-0.90 -> 0.68-0.70, 256 after 768 1.39-1.40 -> 1.03-1.06.
+// The softmax's vector work is lean: maxima of the raw scores, each probability 2^(score * scale * log2(e) - maximum)
+// by one FMA and a cubic (exp2_16), keys masked only in the steps that reach the tile's first position. Against a
+// scaled, masked score per key and a degree-5 e^x (aligned scratch both; alternating builds, three runs, ms a layer):
+// 2048 tokens 4.89-5.00 -> 4.19-4.44, 512 0.36-0.38 -> 0.31-0.44, 256 after 768 0.55-0.57 -> 0.46-0.48; against a
+// float64 reference the mean error went 3.02e-4 -> 3.01e-4 (2048 tokens; random q scaled by 2), the largest stayed
+// 1.18e-2. Every query token's arithmetic is its own (its own lane and its own maximum; keys step in 32s from key 0),
+// so a token gets the same bits whichever chunk or tile it is prefilled in.
 #include <torch/extension.h>
 
 #include "bfloat16.h"
@@ -53,22 +57,18 @@ inline V16 load16(const float* p) {
   return v;
 }
 inline void store16(float* p, V16 v) { std::memcpy(p, &v, sizeof v); }
-// e^x for x <= kLazyRescale (scores minus their lane's maximum), sixteen lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by a
-// degree-5 polynomial (relative error under 2e-7; e^0 = 1 exactly), times 2^n by VSCALEFPS; below -87 (masked keys)
-// exactly 0, as exp_nonpositive_lanes of vec.h gives.
-inline V16 exp16(V16 x) {
+// 2^x (x up to kLazyRescale), sixteen lanes: x = n + r, |r| <= 1/2, 2^r by a cubic (relative error 1.0e-4, under a
+// tenth of a bfloat16 ulp; 2^0 = 1 exactly), times 2^n by VSCALEFPS. A masked score gives an integer x so large
+// that r = 0 and 2^n is exactly 0.
+inline V16 exp2_16(V16 x) {
   const __m512 v = reinterpret_cast<__m512>(x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);  // ln 2 in two parts: n * hi is exact
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(8.26153252e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.18987535e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66681141e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.99991417e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.99999523e-1f));
+  const __m512 n = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(v, n);
+  __m512 p = _mm512_set1_ps(5.50089255e-2f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.42210999e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.93282962e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return reinterpret_cast<V16>(_mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.f), _CMP_GE_OQ), p, n));
+  return reinterpret_cast<V16>(_mm512_scalef_ps(p, n));
 }
 
 constexpr int64_t kHeldTiles = 4;      // output tiles kept in tile registers (0-3)
@@ -210,6 +210,7 @@ void attend_tile(const bf16* q, int64_t t0, int64_t rows, int64_t first_pos, int
   const int64_t held = std::min(value_tiles, kHeldTiles);
   std::fill(o, o + 16 * head_dim, 0.f);
   for (int64_t u = 0; u < held; ++u) tile_op(u, TileOp::kZero, nullptr);
+  const float log2_scale = g.scale * 1.44269504f;
   V16 m = V16{} + kMasked, l = V16{};
   const int64_t last_pos = first_pos + t0 + rows - 1;
   V16 pos;
@@ -225,31 +226,44 @@ void attend_tile(const bf16* q, int64_t t0, int64_t rows, int64_t first_pos, int
       }
       _tile_stored(4, s + b * 16 * 16, 64);
     }
+    // Scores stay raw: the maximum is taken of them, then scaled into units of log2 (scaling is monotonic), and
+    // each probability is 2^(score * log2_scale - maximum), one FMA. Keys past a lane's position exist only in the
+    // steps that reach the tile's first position.
     V16 x[kStep];
-    V16 step_max = m;
-    for (int64_t j = 0; j < kStep; ++j) {
-      const float key = static_cast<float>(k0 + j);
-      x[j] = key > pos ? V16{} + kMasked : load16(s + j * 16) * g.scale;
-      step_max = step_max > x[j] ? step_max : x[j];
+    V16 maxima[2] = {V16{} + kMasked, V16{} + kMasked};
+    if (k0 + kStep - 1 > first_pos + t0) {
+      for (int64_t j = 0; j < kStep; ++j) {
+        const float key = static_cast<float>(k0 + j);
+        x[j] = key > pos ? V16{} + kMasked : load16(s + j * 16);
+        maxima[j % 2] = maxima[j % 2] > x[j] ? maxima[j % 2] : x[j];
+      }
+    } else {
+      for (int64_t j = 0; j < kStep; ++j) {
+        x[j] = load16(s + j * 16);
+        maxima[j % 2] = maxima[j % 2] > x[j] ? maxima[j % 2] : x[j];
+      }
     }
+    const V16 step_max = (maxima[0] > maxima[1] ? maxima[0] : maxima[1]) * log2_scale;
     // A lane's maximum moves (and its sums are rescaled) only when the step's scores exceed it by more than
-    // kLazyRescale; else its probabilities are taken against the old maximum, up to e^kLazyRescale.
+    // kLazyRescale; else its probabilities are taken against the old maximum, up to 2^kLazyRescale.
     const __mmask16 rising = _mm512_cmp_ps_mask(reinterpret_cast<__m512>(step_max - m),
                                                 _mm512_set1_ps(kLazyRescale), _CMP_GT_OQ);
     if (rising) {
       const V16 new_m = reinterpret_cast<V16>(_mm512_mask_blend_ps(rising, reinterpret_cast<__m512>(m),
                                                                    reinterpret_cast<__m512>(step_max)));
-      const V16 alpha = exp16(m - new_m);  // exactly 1 in the other lanes
+      const V16 alpha = exp2_16(m - new_m);  // exactly 1 in the other lanes
       for (int64_t u = 0; u < held; ++u) tile_op(u, TileOp::kStore, o + u * 256);
       for (int64_t d = 0; d < head_dim; ++d) store16(o + d * 16, load16(o + d * 16) * alpha);
       for (int64_t u = 0; u < held; ++u) tile_op(u, TileOp::kLoad, o + u * 256);
       l *= alpha;
       m = new_m;
     }
+    const __m512 scale_v = _mm512_set1_ps(log2_scale), neg_m = reinterpret_cast<__m512>(-m);
     V16 row_sums = V16{};
     for (int64_t j = 0; j < kStep; j += 2) {
-      const V16 e0 = exp16(x[j] - m);
-      const V16 e1 = exp16(x[j + 1] - m);
+      const V16 e0 = exp2_16(reinterpret_cast<V16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(x[j]), scale_v, neg_m)));
+      const V16 e1 =
+          exp2_16(reinterpret_cast<V16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(x[j + 1]), scale_v, neg_m)));
       row_sums += e0;
       row_sums += e1;
       // Row j / 2 of P^T's B tile: lane n holds query n's probabilities of keys j and j + 1.
