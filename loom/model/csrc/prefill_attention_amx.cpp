@@ -231,17 +231,11 @@ void attend_tile(const bf16* q, int64_t t0, int64_t rows, int64_t first_pos, int
     // steps that reach the tile's first position.
     V16 x[kStep];
     V16 maxima[2] = {V16{} + kMasked, V16{} + kMasked};
-    if (k0 + kStep - 1 > first_pos + t0) {
-      for (int64_t j = 0; j < kStep; ++j) {
-        const float key = static_cast<float>(k0 + j);
-        x[j] = key > pos ? V16{} + kMasked : load16(s + j * 16);
-        maxima[j % 2] = maxima[j % 2] > x[j] ? maxima[j % 2] : x[j];
-      }
-    } else {
-      for (int64_t j = 0; j < kStep; ++j) {
-        x[j] = load16(s + j * 16);
-        maxima[j % 2] = maxima[j % 2] > x[j] ? maxima[j % 2] : x[j];
-      }
+    const bool reaches_first = k0 + kStep - 1 > first_pos + t0;
+    for (int64_t j = 0; j < kStep; ++j) {
+      x[j] = load16(s + j * 16);
+      if (reaches_first) x[j] = static_cast<float>(k0 + j) > pos ? V16{} + kMasked : x[j];
+      maxima[j % 2] = maxima[j % 2] > x[j] ? maxima[j % 2] : x[j];
     }
     const V16 step_max = (maxima[0] > maxima[1] ? maxima[0] : maxima[1]) * log2_scale;
     // A lane's maximum moves (and its sums are rescaled) only when the step's scores exceed it by more than
