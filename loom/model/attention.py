@@ -131,6 +131,9 @@ class PagedKernelAttention(SdpaAttention):
         if q.device.type != "cpu":
             return super().attend(q, k, v, kv_cache, meta, scale, out)
         nd = meta.num_decodes  # q is a view of the qkv projection's rows: the kernels read it in place
+        if nd == meta.num_seqs == q.shape[0]:  # decodes alone: no views to make (each op a layer costs µs)
+            self.kernel.decode_attention(q, *kv_cache, meta.block_tables, meta.context_lens, out, scale)
+            return
         if nd:
             self.kernel.decode_attention(
                 q[:nd], *kv_cache, meta.block_tables[:nd], meta.context_lens[:nd], out[:nd], scale

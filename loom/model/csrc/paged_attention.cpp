@@ -569,8 +569,13 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, cons
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   TORCH_CHECK(lens.numel() == q.size(0) && tables.size(0) == q.size(0), "one block table and length per query");
-  TORCH_CHECK(lens.numel() == 0 || lens.min().item<int64_t>() >= 1, "every sequence needs at least one key");
-  const int64_t max_len = lens.numel() == 0 ? 0 : lens.max().item<int64_t>();
+  // The lengths' checks and maximum by a plain loop: torch's min() and max() were two reductions a layer.
+  const int64_t* len_data = lens.data_ptr<int64_t>();
+  int64_t max_len = 0;
+  for (int64_t i = 0; i < lens.numel(); ++i) {
+    TORCH_CHECK(len_data[i] >= 1, "every sequence needs at least one key");
+    max_len = std::max(max_len, len_data[i]);
+  }
   TORCH_CHECK(max_len <= tables.size(1) * k_cache.size(1), "a context length exceeds its block table");
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
     decode_attention_impl(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
