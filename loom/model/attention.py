@@ -122,26 +122,29 @@ class PagedKernelAttention(SdpaAttention):
     def __init__(self, kernel: ModuleType) -> None:
         self.kernel = kernel
 
-    def store(self, kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        if k.device.type != "cpu":
-            return super().store(kv_cache, k, v, slot_mapping)
-        self.kernel.write_kv(k, v, *kv_cache, slot_mapping)
-
-    def attend(self, q, k, v, kv_cache: KVCache, meta: BatchMetadata, scale: float, out: torch.Tensor) -> None:
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: BatchMetadata, scale: float
+    ) -> torch.Tensor:
         if q.device.type != "cpu":
-            return super().attend(q, k, v, kv_cache, meta, scale, out)
+            return super().__call__(q, k, v, kv_cache, meta, scale)
+        # Store and attend in this one frame, and a decodes-only step without views of its tensors: between the
+        # kernels, each Python frame and torch op of a layer costs microseconds (in a 64-request decode step, 4-5 us
+        # less a layer than with separate store and attend frames).
+        self.kernel.write_kv(k, v, *kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
         nd = meta.num_decodes  # q is a view of the qkv projection's rows: the kernels read it in place
-        if nd == meta.num_seqs == q.shape[0]:  # decodes alone: no views to make (each op a layer costs µs)
+        if nd == meta.num_seqs == q.shape[0]:
             self.kernel.decode_attention(q, *kv_cache, meta.block_tables, meta.context_lens, out, scale)
-            return
-        if nd:
-            self.kernel.decode_attention(
-                q[:nd], *kv_cache, meta.block_tables[:nd], meta.context_lens[:nd], out[:nd], scale
-            )
-        if meta.num_seqs > nd:
-            self.kernel.prefill_attention(
-                q, *kv_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q, nd, out, scale
-            )
+        else:
+            if nd:
+                self.kernel.decode_attention(
+                    q[:nd], *kv_cache, meta.block_tables[:nd], meta.context_lens[:nd], out[:nd], scale
+                )
+            if meta.num_seqs > nd:
+                self.kernel.prefill_attention(
+                    q, *kv_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q, nd, out, scale
+                )
+        return out.view(q.shape[0], -1)
 
 
 class ReferenceAttention(PagedAttention):

@@ -101,7 +101,7 @@ class LlamaModel:
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             # q and k heads side by side, rotated together.
             qkv = ops.rotate_qk(layer.qkv(x), cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-            q, k, v = qkv.view(num_tokens, -1, cfg.head_dim).split(heads, dim=1)  # views, one op
+            q, k, v = qkv.view(num_tokens, -1, cfg.head_dim).split_with_sizes(heads, dim=1)  # views, one op
             attn = attention(q, k, v, kv_cache, meta, scale)
             hidden, x = ops.add_rms_norm(hidden, layer.o(attn), layer.post_norm, cfg.norm_eps)
             delta = self.mlp(layer, x)
