@@ -1,8 +1,8 @@
 """Ragged paged attention: write this step's K/V at their slots, then attend block-diagonal causal.
 
 Three backends share one signature:
-- `PagedKernelAttention` (fastest on CPU): Loom's C++ kernels, one call per layer to store the step's K/V and one or
-  two to attend, reading K and V through the block tables in place. One takes every decode token of the step,
+- `PagedKernelAttention` (fastest on CPU): Loom's C++ kernels, one call per layer that stores the step's K/V and
+  attends, reading K and V through the block tables in place. One kernel takes every decode token of the step,
   reading each request's K and V once; the other every prompt chunk, flash-attention style (tiles of query rows,
   online softmax, scores kept in cache).
 - `SdpaAttention` (portable): all decode tokens in one batched SDPA over K/V gathered through the block tables
@@ -117,7 +117,8 @@ class SdpaAttention(PagedAttention):
 
 
 class PagedKernelAttention(SdpaAttention):
-    """CPU: decodes and prefill chunks each in one call of the compiled kernels; other devices as SdpaAttention."""
+    """CPU: one call of the compiled kernels a layer (`attend_step`: store the step's K/V, attend its decodes and its
+    prompt chunks); other devices as SdpaAttention."""
 
     def __init__(self, kernel: ModuleType) -> None:
         self.kernel = kernel
@@ -127,24 +128,8 @@ class PagedKernelAttention(SdpaAttention):
     ) -> torch.Tensor:
         if q.device.type != "cpu":
             return super().__call__(q, k, v, kv_cache, meta, scale)
-        # Store and attend in this one frame, and a decodes-only step without views of its tensors: between the
-        # kernels, each Python frame and torch op of a layer costs microseconds (in a 64-request decode step, 4-5 us
-        # less a layer than with separate store and attend frames).
-        self.kernel.write_kv(k, v, *kv_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
-        nd = meta.num_decodes  # q is a view of the qkv projection's rows: the kernels read it in place
-        if nd == meta.num_seqs == q.shape[0]:
-            self.kernel.decode_attention(q, *kv_cache, meta.block_tables, meta.context_lens, out, scale)
-        else:
-            if nd:
-                self.kernel.decode_attention(
-                    q[:nd], *kv_cache, meta.block_tables[:nd], meta.context_lens[:nd], out[:nd], scale
-                )
-            if meta.num_seqs > nd:
-                self.kernel.prefill_attention(
-                    q, *kv_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q, nd, out, scale
-                )
-        return out.view(q.shape[0], -1)
+        return self.kernel.attend_step(q, k, v, *kv_cache, meta.slot_mapping, meta.block_tables, meta.context_lens,
+                                       meta.cu_seqlens_q, meta.num_decodes, scale)
 
 
 class ReferenceAttention(PagedAttention):

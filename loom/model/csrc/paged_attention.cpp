@@ -593,7 +593,35 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, con
 void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
               const torch::Tensor& slot_mapping);
 
+// One layer's attention for a whole step: the step's K/V stored at their slots, then rows [0, num_decodes) by
+// decode_attention and the prompt chunks after them by prefill_attention, into a new out [T, H * D]. One call from
+// Python instead of two or three, with their views: between the kernels of a decode step, each Python frame and
+// torch op costs microseconds.
+torch::Tensor attend_step(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                          torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
+                          const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                          const torch::Tensor& query_starts, int64_t num_decodes, double scale) {
+  write_kv(k, v, k_cache, v_cache, slot_mapping);
+  auto out = torch::empty(q.sizes(), q.options());
+  const int64_t num_seqs = block_tables.size(0);
+  TORCH_CHECK(num_decodes >= 0 && num_decodes <= num_seqs && num_decodes <= q.size(0),
+              "num_decodes must count the step's first sequences, one query row each");
+  if (num_decodes == num_seqs && num_decodes == q.size(0)) {
+    decode_attention(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+  } else {
+    if (num_decodes > 0) {
+      auto decode_out = out.narrow(0, 0, num_decodes);
+      decode_attention(q.narrow(0, 0, num_decodes), k_cache, v_cache, block_tables.narrow(0, 0, num_decodes),
+                       context_lens.narrow(0, 0, num_decodes), decode_out, scale);
+    }
+    if (num_seqs > num_decodes)
+      prefill_attention(q, k_cache, v_cache, block_tables, context_lens, query_starts, num_decodes, out, scale);
+  }
+  return out.view({q.size(0), q.size(1) * q.size(2)});
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend_step", &attend_step, "one layer's store + decode + prefill attention for a step");
   m.def("write_kv", &write_kv, "store the step's K/V rows at their cache slots");
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU)");
   m.def("prefill_attention", &prefill_attention, "paged prefill attention, flash style (CPU)");
