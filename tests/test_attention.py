@@ -254,3 +254,40 @@ def test_kernel_write_kv_matches_index_copy(kernel, dtype):
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernel.write_kv(k, v, *ours, torch.tensor([0, 1, 2, 3, 24]))
     assert torch.equal(ours[0], before[0]) and torch.equal(ours[1], before[1])  # nothing written
+
+
+@pytest.mark.parametrize("num_decodes,chunks", [(2, [(37, 37), (5, 60)]), (3, []), (0, [(20, 20)])])
+def test_attend_step_is_the_store_and_both_kernels(kernel, num_decodes, chunks):
+    """One call a layer: the step's K/V stored, its decode rows and its prompt chunks attended, the same bits as the
+    three kernels called apart; a bad count of decodes is refused."""
+    gen = torch.Generator().manual_seed(3 + num_decodes)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    lens = [9, 30, 17][:num_decodes] + [ctx for _, ctx in chunks]
+    q_lens = [1] * num_decodes + [n for n, _ in chunks]
+    starts = torch.tensor([0] + q_lens).cumsum(0)
+    tokens = int(starts[-1])
+    max_blocks = -(-max(lens) // block_size)
+    tables = (torch.randperm(len(lens) * max_blocks, generator=gen) + 1).view(len(lens), max_blocks)
+    positions = [p for n, ctx in zip(q_lens, lens) for p in range(ctx - n, ctx)]
+    rows = [i for i, n in enumerate(q_lens) for _ in range(n)]
+    slots = torch.tensor([int(tables[r, p // block_size]) * block_size + p % block_size
+                          for r, p in zip(rows, positions)])
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).bfloat16()
+    q, k, v = qkv.view(tokens, -1, head_dim).split_with_sizes([heads, kv_heads, kv_heads], dim=1)
+    caches = [torch.randn(len(lens) * max_blocks + 1, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+              for _ in range(2)]
+    apart = [c.clone() for c in caches]
+    lens_t, scale = torch.tensor(lens), head_dim**-0.5
+    out = kernel.attend_step(q, k, v, *caches, slots, tables, lens_t, starts, num_decodes, scale)
+    kernel.write_kv(k, v, *apart, slots)
+    expected = torch.empty_like(q)
+    if num_decodes:
+        kernel.decode_attention(q[:num_decodes], *apart, tables[:num_decodes], lens_t[:num_decodes],
+                                expected[:num_decodes], scale)
+    if chunks:
+        kernel.prefill_attention(q, *apart, tables, lens_t, starts, num_decodes, expected, scale)
+    assert out.shape == (tokens, heads * head_dim)
+    assert torch.equal(out, expected.view(tokens, -1))
+    assert torch.equal(caches[0], apart[0]) and torch.equal(caches[1], apart[1])
+    with pytest.raises(RuntimeError, match="num_decodes"):
+        kernel.attend_step(q, k, v, *caches, slots, tables, lens_t, starts, len(lens) + 1, scale)
