@@ -289,5 +289,7 @@ def test_attend_step_is_the_store_and_both_kernels(kernel, num_decodes, chunks):
     assert out.shape == (tokens, heads * head_dim)
     assert torch.equal(out, expected.view(tokens, -1))
     assert torch.equal(caches[0], apart[0]) and torch.equal(caches[1], apart[1])
+    before = [c.clone() for c in caches]
     with pytest.raises(RuntimeError, match="num_decodes"):
-        kernel.attend_step(q, k, v, *caches, slots, tables, lens_t, starts, len(lens) + 1, scale)
+        kernel.attend_step(q, k + 1, v + 1, *caches, slots, tables, lens_t, starts, len(lens) + 1, scale)
+    assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])  # refused before any store

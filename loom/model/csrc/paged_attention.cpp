@@ -601,22 +601,18 @@ torch::Tensor attend_step(const torch::Tensor& q, const torch::Tensor& k, const 
                           torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
                           const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                           const torch::Tensor& query_starts, int64_t num_decodes, double scale) {
-  write_kv(k, v, k_cache, v_cache, slot_mapping);
-  auto out = torch::empty(q.sizes(), q.options());
   const int64_t num_seqs = block_tables.size(0);
   TORCH_CHECK(num_decodes >= 0 && num_decodes <= num_seqs && num_decodes <= q.size(0),
               "num_decodes must count the step's first sequences, one query row each");
-  if (num_decodes == num_seqs && num_decodes == q.size(0)) {
-    decode_attention(q, k_cache, v_cache, block_tables, context_lens, out, scale);
-  } else {
-    if (num_decodes > 0) {
-      auto decode_out = out.narrow(0, 0, num_decodes);
-      decode_attention(q.narrow(0, 0, num_decodes), k_cache, v_cache, block_tables.narrow(0, 0, num_decodes),
-                       context_lens.narrow(0, 0, num_decodes), decode_out, scale);
-    }
-    if (num_seqs > num_decodes)
-      prefill_attention(q, k_cache, v_cache, block_tables, context_lens, query_starts, num_decodes, out, scale);
+  write_kv(k, v, k_cache, v_cache, slot_mapping);
+  auto out = torch::empty(q.sizes(), q.options());
+  if (num_decodes > 0) {
+    auto decode_out = out.narrow(0, 0, num_decodes);
+    decode_attention(q.narrow(0, 0, num_decodes), k_cache, v_cache, block_tables.narrow(0, 0, num_decodes),
+                     context_lens.narrow(0, 0, num_decodes), decode_out, scale);
   }
+  if (num_seqs > num_decodes)
+    prefill_attention(q, k_cache, v_cache, block_tables, context_lens, query_starts, num_decodes, out, scale);
   return out.view({q.size(0), q.size(1) * q.size(2)});
 }
 
