@@ -9,7 +9,9 @@ import torch.nn.functional as F
 
 from loom import LLM, SamplingParams
 from loom.model.kernels import load_amx_linear
-from loom.model.linear import AmxLinear, PackedLinear, QuantizedLinear, make_matmul, pack_amx_tiles
+from loom.model.layer_ops import TorchLayerOps, make_layer_ops
+from loom.model.linear import (AmxLinear, AmxSiluMulLinear, PackedLinear, QuantizedLinear, SiluMulAfter,
+                               interleave_gate_up, make_matmul, pack_amx_tiles)
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +89,53 @@ def test_amx_linear_keeps_leading_dimensions_and_rejects_bad_inputs(amx):
         linear(torch.randn(2, 100).bfloat16())
 
 
+def test_gate_and_up_interleave_in_eights():
+    gate, up = torch.arange(16).view(16, 1), 100 + torch.arange(16).view(16, 1)
+    rows = interleave_gate_up(gate, up).flatten().tolist()
+    assert rows == [*range(8), *range(100, 108), *range(8, 16), *range(108, 116)]
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_silu_mul_in_the_amx_epilogue_gives_the_bits_of_the_product_then_silu_mul(amx, rows, with_bias):
+    """SwiGLU's gate/up on AMX ends in SiLU(gate) * up as each panel is stored: the bits of the plain product rounded
+    to bfloat16 and then torch's F.silu(gate) * up (the fused layer op's bits too); partial row blocks, one row, more
+    than a 256-row pass."""
+    gen = torch.Generator().manual_seed(rows)
+    inter, hidden = 96, 576
+    gate, up = ((torch.randn(inter, hidden, generator=gen) / 8).bfloat16() for _ in range(2))
+    bias = torch.randn(2 * inter, generator=gen).bfloat16() if with_bias else None
+    fused_ops = make_layer_ops("auto")
+    gated = amx.silu_mul_linear(gate, up, bias, None, fused_ops.silu_mul)
+    assert isinstance(gated, AmxSiluMulLinear)
+    x = torch.randn(rows, hidden, generator=gen).bfloat16()
+    product = amx.linear(torch.cat([gate, up]), bias)(x)
+    got = gated(x)
+    assert got.shape == (rows, inter)
+    assert torch.equal(got, TorchLayerOps().silu_mul(product))
+    assert torch.equal(got, fused_ops.silu_mul(product))
+    # The product alone (for the matmul-only timings) is the same matmul, its columns interleaved.
+    assert torch.equal(gated.product(x), interleave_gate_up(*product.t().chunk(2)).t())
+
+
+def test_silu_mul_linear_elsewhere_is_the_product_then_the_layer_op():
+    """float32 weights, and a width not a multiple of 8, run the product and then the layer op's silu_mul."""
+    gen = torch.Generator().manual_seed(0)
+    ops = TorchLayerOps()
+    gate, up, x = (torch.randn(rows, 32, generator=gen) for rows in (12, 12, 5))
+    for dtype in (torch.float32, torch.bfloat16):
+        matmul = make_matmul("auto", "none", dtype)
+        gated = matmul.silu_mul_linear(gate.to(dtype), up.to(dtype), None, None, ops.silu_mul)
+        assert isinstance(gated, SiluMulAfter)
+        assert torch.equal(gated(x.to(dtype)), ops.silu_mul(gated.product(x.to(dtype))))
+
+
+def test_the_amx_epilogue_rejects_gate_and_up_in_part_panels(amx):
+    linear = amx.linear(torch.randn(40, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="whole panels"):
+        amx.amx_kernel.amx_silu_mul_linear(torch.randn(2, 64).bfloat16(), linear.panels, 40, None)
+
+
 def test_the_backend_takes_amx_for_bfloat16_only():
     """'auto' runs bfloat16 models on AMX where the CPU has it (and then keeps no GGUF blocks), float32 models on the
     other kernels; 'amx' for a float32 model is a clear error."""
@@ -109,6 +158,7 @@ def test_smollm2_bfloat16_on_amx_is_batch_invariant(smollm2, amx):
     llm = LLM(loaded=smollm2, dtype="bfloat16", max_num_seqs=4, num_kv_blocks=64)
     model = llm.engine.runner.model
     assert isinstance(model.layers[0].qkv, AmxLinear) and isinstance(model.lm_head, AmxLinear)
+    assert isinstance(model.layers[0].gate_up, AmxSiluMulLinear)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = ["The capital of France is", "Once upon a time", "def add(a, b):", "1, 2, 3, 4,"]
     batched = [o.token_ids for o in llm.generate(prompts, params)]

@@ -8,6 +8,7 @@ is on, kept in those blocks for the quantized kernel. torch's matmul stays the r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
@@ -30,6 +31,15 @@ BF16_PANEL_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
 class Linear(Protocol):
     in_features: int
     out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class SiluMulLinear(Protocol):
+    """SwiGLU's first half, x [rows, in] -> SiLU(x G^T) * (x U^T) [rows, I]; `product` is its matmul alone (gate's and
+    up's columns together, in the layout's order), for the benchmarks that time matmuls."""
+
+    product: Linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -136,6 +146,47 @@ class AmxLinear(PackedLinear):
         return self.kernel.amx_linear(x, self.panels, self.out_features, self.bias)
 
 
+def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [I, ...] (I a multiple of 8) -> [2I, ...]: rows in groups of 8, gate's then up's, so each 16-column
+    panel holds 8 columns of each (what amx_silu_mul_linear's epilogue expects)."""
+    groups = gate.shape[0] // (PANEL_COLUMNS // 2)
+    return torch.stack([gate.reshape(groups, PANEL_COLUMNS // 2, -1), up.reshape(groups, PANEL_COLUMNS // 2, -1)],
+                       dim=1).reshape(2 * gate.shape[0], *gate.shape[1:])
+
+
+@dataclass
+class AmxSiluMulLinear:
+    """gate and up packed as one AMX weight whose panels hold 8 columns of each (interleave_gate_up), so the kernel
+    takes SiLU(gate) * up as it stores each panel: no [rows, 2I] product written and read again, and one call.
+    Bit for bit the product rounded to bfloat16 followed by the fused layer op's silu_mul (csrc/silu.h)."""
+
+    product: AmxLinear  # the matmul alone: [rows, 2I], its columns interleaved
+
+    @classmethod
+    def pack(cls, gate: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None, kernel: ModuleType
+             ) -> AmxSiluMulLinear:
+        """bias: gate's then up's, [2I], or None."""
+        if bias is not None:
+            bias = interleave_gate_up(*bias.chunk(2))
+        return cls(AmxLinear.pack(interleave_gate_up(gate, up), bias, kernel))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] -> [rows, I]."""
+        lin = self.product
+        return lin.kernel.amx_silu_mul_linear(x, lin.panels, lin.out_features, lin.bias)
+
+
+@dataclass
+class SiluMulAfter:
+    """Any Linear's gate/up product (gate's columns, then up's), then SiLU * up by the layer ops."""
+
+    product: Linear
+    silu_mul: Callable[[torch.Tensor], torch.Tensor]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.silu_mul(self.product(x))
+
+
 @dataclass
 class QuantizedLinear:
     """A GGUF Q4_0 / Q4_1 / Q8_0 weight packed once into 16-row panels for the quantized kernel, which dequantizes as
@@ -194,6 +245,15 @@ class MatmulBackend:
         if self.supports(weight):
             return PackedLinear.pack(weight, bias, self.kernel)
         return TorchLinear(weight, bias)
+
+    def silu_mul_linear(self, gate: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None,
+                        quantized: QuantizedWeight | None, silu_mul: Callable[[torch.Tensor], torch.Tensor]
+                        ) -> SiluMulLinear:
+        """SwiGLU's gate and up projections as one matmul: SiLU * up in the AMX kernel's epilogue where AMX runs them,
+        else `silu_mul` after `linear`'s product. bias and quantized: gate's rows, then up's."""
+        if self.runs_amx(gate) and not self.runs_quantized(gate, quantized) and gate.shape[0] % 8 == 0:
+            return AmxSiluMulLinear.pack(gate, up, bias, self.amx_kernel)
+        return SiluMulAfter(self.linear(torch.cat([gate, up]), bias, quantized), silu_mul)
 
     def output_head(self, weight: torch.Tensor, quantized: QuantizedWeight | None = None) -> Linear:
         """The LM head. With torch on CPU it runs in 2048-row slices of the vocabulary, so each slice's weights and

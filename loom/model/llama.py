@@ -17,12 +17,13 @@ from loom.engine.batch import BatchMetadata
 from loom.model.attention import AttentionBackend, KVCache
 from loom.model.config import ModelConfig
 from loom.model.layer_ops import TorchLayerOps
-from loom.model.linear import Linear, MatmulBackend
+from loom.model.linear import Linear, MatmulBackend, SiluMulLinear
 from loom.model.quantized import QuantizedWeight, concat_rows
 
 
 # A step's MLP runs in chunks of this many rows, so that a chunk's gate/up product (256 x 2I: 1.5 MiB for SmolLM2)
-# is still in L2 when SiLU x up reads it and its output when the down projection does. With Loom's matmul kernels a
+# is still in L2 when SiLU x up reads it (where SiLU x up is not the AMX matmul's epilogue) and its output when the
+# down projection does. With Loom's matmul kernels a
 # row's result does not depend on the rows beside it, so chunks change no bit (torch's F.linear may pick another
 # kernel for 256 rows than for 2048, as it may for any batch). A 2048-token prefill's forward, bfloat16 on AMX,
 # alternating in one process, medians of 7: 541.5-589.6 -> 521.7-555.7 ms (SiLU x up 65-75 -> 46-47 ms, gate/up
@@ -36,7 +37,7 @@ class LlamaLayer:
     qkv: Linear  # hidden -> (H + 2*KVH) * D
     o: Linear
     post_norm: torch.Tensor
-    gate_up: Linear  # hidden -> 2 * intermediate
+    gate_up: SiluMulLinear  # hidden -> intermediate: SiLU(gate) * up
     down: Linear
 
 
@@ -60,6 +61,11 @@ class LlamaModel:
             blocks = [quantized.pop(n, None) for n in names]
             return matmul.linear(dense, bias, None if any(b is None for b in blocks) else concat_rows(blocks))
 
+        def silu_mul_linear(gate: str, up: str) -> SiluMulLinear:
+            blocks = [quantized.pop(n, None) for n in (gate, up)]
+            return matmul.silu_mul_linear(w(gate), w(up), None,
+                                          None if any(b is None for b in blocks) else concat_rows(blocks), ops.silu_mul)
+
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         head_blocks = quantized.pop(head, None)
         self.embed = w("model.embed_tokens.weight")
@@ -77,7 +83,7 @@ class LlamaModel:
                     qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"), bias=bias),
                     o=linear(p + "self_attn.o_proj.weight"),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    gate_up=silu_mul_linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                     down=linear(p + "mlp.down_proj.weight"),
                 )
             )
@@ -115,12 +121,12 @@ class LlamaModel:
     def mlp(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU's down(SiLU(gate) * up) of x [T, hidden], in chunks of MLP_CHUNK_ROWS rows."""
         if x.shape[0] <= MLP_CHUNK_ROWS:  # one chunk: no split, no copy (each op a layer costs µs in a decode step)
-            return layer.down(self.ops.silu_mul(layer.gate_up(x)))
-        return torch.cat([layer.down(self.ops.silu_mul(layer.gate_up(rows))) for rows in x.split(MLP_CHUNK_ROWS)])
+            return layer.down(layer.gate_up(x))
+        return torch.cat([layer.down(layer.gate_up(rows)) for rows in x.split(MLP_CHUNK_ROWS)])
 
     def layer_linears(self) -> list[Linear]:
         """Every matmul of the layers, in forward order (for matmul-only timing in benchmarks)."""
-        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up.product, layer.down)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for the selected rows only (one per sampling request, not every prompt token), in the model's

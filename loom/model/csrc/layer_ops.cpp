@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 
 #include "bfloat16.h"
+#include "silu.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -79,69 +80,6 @@ void rotary_impl(T* qkv, int64_t row_stride, const T* cos, const T* sin, int64_t
   });
 }
 
-// SiLU in float32 (silu_float) is a few ulp off torch's: harmless for a float32 result, but for bfloat16 it flips the
-// rounding of a value next to a bfloat16 midpoint, so those few (low 16 bits within kNearTie of 0x8000, ~1 in 4000)
-// are recomputed in double and rounded once, as torch's float32 result is rounded. Any float32 SiLU within kNearTie
-// ulp of the exact one then rounds to torch's bfloat16. Against the sigmoid in double for all, alternating processes,
-// medians of 301 calls at 64 x 1536: bfloat16 60.4-65.5 -> 37.2-38.0 us, float32 43.1-44.5 -> 26.2-28.4 us.
-constexpr uint32_t kNearTie = 8;
-
-// e^x overflows float32 above ln(FLT_MAX) = 88.7228; torch's x / (1 + inf) is then -0. (Under -ffast-math the
-// division by infinity gave NaN: a reciprocal times a Newton step.)
-constexpr float kExpOverflow = 88.72f;
-// Below this e^x is under 2^-124: 1 + e^x is 1 in float32, so SiLU(-x) = -x exactly, with no subnormals to make.
-constexpr float kExpNegligible = -86.f;
-
-// 2^k as a float32, k in [-126, 127].
-inline float pow2(int32_t k) {
-  const int32_t bits = (k + 127) << 23;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// e^x * 2^k, for x in [kExpNegligible, kExpOverflow] and k in [-64, 0]: x = n ln2 + r, |r| <= ln2 / 2, e^r by its
-// Taylor series to r^7 (the remainder under 6e-9 relative), times 2^(n + k) built in the exponent bits; within 2 ulp
-// of e^x. Against GCC's vector expf: the same on every libm, and no slower (bfloat16 silu_mul at 64 x 1536,
-// alternating builds: 40.5-40.6 against 41.8-47.0 us); any e^x a few ulp off gives the same bfloat16 SiLU (kNearTie).
-inline float exp_times_pow2(float x, int32_t k) {
-  const float n = std::nearbyint(x * 1.44269504f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860677e-06f;  // ln 2 in two parts: n * hi is exact
-  float p = 1.f / 5040;
-  p = p * r + 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  // 2^(n + k - 1), so that n = 128 (e^88.5) still fits float32's exponent field; then times 2 p, exactly.
-  return (p + p) * pow2(static_cast<int32_t>(n) + k - 1);
-}
-
-// SiLU in float32 as torch computes it, x / (1 + e^-x), to a few ulp; vectorisable. Where e^-x nears float32's top,
-// the reciprocal of 1 + e^-x that -ffast-math divides by would be subnormal, and flushed to 0 (SiLU(-88.5) came out
-// -0, torch's is -3.2e-37): there both sides of the division are taken 2^64 smaller, exactly.
-inline float silu_float(float x) {
-  const float t = std::clamp(-x, kExpNegligible, kExpOverflow);
-  const int32_t k = t > 44.f ? -64 : 0;
-  const float scale = pow2(k);
-  return -x > kExpOverflow ? -0.f : (x * scale) / (scale + exp_times_pow2(t, k));
-}
-
-// Whether a float32 SiLU is close enough to a bfloat16 midpoint that its last ulps decide the rounding.
-inline bool near_bf16_tie(float silu) {
-  uint32_t bits;
-  std::memcpy(&bits, &silu, sizeof bits);
-  return (bits & 0xffffu) - (0x8000u - kNearTie) <= 2 * kNearTie;
-}
-
-// SiLU of x in double, rounded once to float32: for the values near_bf16_tie picks out.
-inline float silu_in_double(float x) {
-  const double g = x;
-  return static_cast<float>(g / (1.0 + std::exp(-g)));
-}
-
 // GCC's -march=native tuning for AVX-512 CPUs vectorises loops 8 lanes wide; this asks for 16 (x86 GCC only: Clang and
 // other targets do not know the option).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -150,26 +88,28 @@ inline float silu_in_double(float x) {
 #define LOOM_WIDE_VECTORS
 #endif
 
-// One row's SiLU(gate) * up, `silu` its float32 scratch. Its cost is its exponentials and divisions: 16 lanes wide,
-// alternating builds, medians of 201 calls, bfloat16 256 x 1536: 152-155 -> 116-117 us; 64 x 1536: 38 -> 29 us;
-// inside a 2048-token prefill 46-50 -> 40-41 ms. Same bits (every bfloat16 gate against torch).
-template <typename T>
-LOOM_WIDE_VECTORS void silu_mul_row(const T* gate, const T* up, T* out, float* silu, int64_t width) {
-  for (int64_t i = 0; i < width; ++i) silu[i] = silu_float(widen(gate[i]));
-  if constexpr (!std::is_same_v<T, float>) {
-    for (int64_t i = 0; i < width; ++i)
-      if (near_bf16_tie(silu[i])) silu[i] = silu_in_double(widen(gate[i]));
-  }
-  for (int64_t i = 0; i < width; ++i) out[i] = narrow<T>(rounded<T>(silu[i]) * widen(up[i]));
+// One float32 row's SiLU(gate) * up. Its cost is its exponentials and divisions: 16 lanes wide, alternating builds,
+// medians of 201 calls, (then for bfloat16 too) 256 x 1536: 152-155 -> 116-117 us; 64 x 1536: 38 -> 29 us.
+LOOM_WIDE_VECTORS void silu_mul_row(const float* gate, const float* up, float* out, int64_t width) {
+  for (int64_t i = 0; i < width; ++i) out[i] = loom::silu_float(gate[i]) * up[i];
 }
 
 template <typename T>
 void silu_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t width) {
-  at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
-    std::vector<float> silu(width);
-    for (int64_t r = begin; r < end; ++r)
-      silu_mul_row(gate_up + r * 2 * width, gate_up + r * 2 * width + width, out + r * width, silu.data(), width);
-  });
+  if constexpr (std::is_same_v<T, float>) {
+    at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        silu_mul_row(gate_up + r * 2 * width, gate_up + r * 2 * width + width, out + r * width, width);
+    });
+  } else {
+    const uint16_t* table = loom::bf16_silu_table();
+    const auto* bits = reinterpret_cast<const uint16_t*>(gate_up);
+    auto* out_bits = reinterpret_cast<uint16_t*>(out);
+    at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        loom::silu_mul_row_bf16(table, bits + r * 2 * width, bits + r * 2 * width + width, out_bits + r * width, width);
+    });
+  }
 }
 
 void check_cpu_rows(const torch::Tensor& t, const char* name) {
