@@ -11,8 +11,9 @@
 //
 // SwiGLU's gate and up projections run as one product whose panels hold 8 columns of each (amx_silu_mul_linear):
 // each panel's sums become SiLU(gate) * up as they are stored, so the [rows, 2I] product is never written and read
-// back, and the layer makes one call less. The gathers from the SiLU table (silu.h) run beside the next group's tile
-// products. A 2048-token prefill, alternating with the product then silu_mul: 581-597 -> 534-564 ms.
+// back, and the layer makes one call less; SiLU comes from a table (silu.h). At 64 x 576 -> 2 x 1536 (one run,
+// medians of 200): the product alone 122.7 us, then silu_mul 159.2, fused 129.6. A 2048-token prefill, alternating
+// with the product then silu_mul: 581-597 -> 534-564 ms.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
