@@ -23,11 +23,11 @@ from loom.model.quantized import QuantizedWeight, concat_rows
 
 # A step's MLP runs in chunks of this many rows, so that a chunk's gate/up product (256 x 2I: 1.5 MiB for SmolLM2)
 # is still in L2 when SiLU x up reads it (where SiLU x up is not the AMX matmul's epilogue) and its output when the
-# down projection does. With Loom's matmul kernels a
-# row's result does not depend on the rows beside it, so chunks change no bit (torch's F.linear may pick another
-# kernel for 256 rows than for 2048, as it may for any batch). A 2048-token prefill's forward, bfloat16 on AMX,
-# alternating in one process, medians of 7: 541.5-589.6 -> 521.7-555.7 ms (SiLU x up 65-75 -> 46-47 ms, gate/up
-# 117-133 -> 108-110); 512 and 1024 tokens the same within 1%; chunks of 128 rows slower.
+# down projection does. With Loom's matmul kernels a row's result does not depend on the rows beside it, so chunks
+# change no bit (torch's F.linear may pick another kernel for 256 rows than for 2048, as it may for any batch). A
+# 2048-token prefill's forward, bfloat16 on AMX, alternating in one process, medians of 7: 541.5-589.6 -> 521.7-555.7
+# ms (SiLU x up 65-75 -> 46-47 ms, gate/up 117-133 -> 108-110); 512 and 1024 tokens the same within 1%; chunks of 128
+# rows slower. 512-row chunks (with 512-row passes in the AMX matmul) were no faster once SiLU x up moved into it.
 MLP_CHUNK_ROWS = 256
 
 

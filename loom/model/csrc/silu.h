@@ -100,7 +100,7 @@ inline const uint16_t* bf16_silu_table() {
   return table.data();
 }
 
-// SiLU(gate) * up for bfloat16 bits (the table's SiLU times up, rounded once): silu_mul_row's bits for bfloat16.
+// SiLU(gate) * up for bfloat16 bits: the table's SiLU times up (exact in float32), rounded once, as torch rounds it.
 inline uint16_t silu_mul_bits(const uint16_t* table, uint16_t gate, uint16_t up) {
   c10::BFloat16 silu, u;
   silu.x = table[gate];
