@@ -30,9 +30,10 @@
 // 2048-token prefill 555-567 -> 522-540 ms.
 // Items go KV head by KV head, costliest first, and a thread keeps the keys and values it laid out while its next
 // item needs no more of the same sequence and head (keys past an item's own are masked, their probabilities exactly
-// 0): a 2048-token prompt is laid out 6 times a layer instead of 48. Alternating in one process, medians of 11, ms a
-// layer: 2048 tokens 5.43-5.76 -> 5.09-5.48 (head size 128: 4.07 -> 3.67), 512 0.36-0.40 -> 0.35-0.40, 256 after
-// 768 the same (0.52-0.66 -> 0.53-0.63); a 2048-token prefill 507-517 -> 487-521 ms, within its noise.
+// 0): a 2048-token prompt is laid out about once a head and thread (~6 times a layer), not 48. In one process,
+// medians of 11, ms a layer: 2048 tokens 5.43-5.76 -> 5.09-5.48 (head size 128: 4.07 -> 3.67), 512 0.36-0.40 ->
+// 0.35-0.40, 256 after 768 the same (0.52-0.66 -> 0.53-0.63); a 2048-token prefill 507-517 -> 487-521 ms, within
+// its noise.
 // Every query token's arithmetic is its own (its own lane and its own maximum; keys step in 32s from key 0), so a
 // token gets the same bits whichever chunk or tile it is prefilled in.
 #include <torch/extension.h>
