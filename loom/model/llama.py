@@ -55,16 +55,18 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return weights.pop(name).to(dtype)
 
+        def blocks_of(*names: str) -> QuantizedWeight | None:
+            """The named weights' GGUF blocks stacked by rows, when all of them have theirs."""
+            blocks = [quantized.pop(n, None) for n in names]
+            return None if any(b is None for b in blocks) else concat_rows(blocks)
+
         def linear(*names: str, bias: torch.Tensor | None = None) -> Linear:
             """The named weights stacked by rows as one Linear; in GGUF blocks when all of them have theirs."""
             dense = w(names[0]) if len(names) == 1 else torch.cat([w(n) for n in names])
-            blocks = [quantized.pop(n, None) for n in names]
-            return matmul.linear(dense, bias, None if any(b is None for b in blocks) else concat_rows(blocks))
+            return matmul.linear(dense, bias, blocks_of(*names))
 
         def silu_mul_linear(gate: str, up: str) -> SiluMulLinear:
-            blocks = [quantized.pop(n, None) for n in (gate, up)]
-            return matmul.silu_mul_linear(w(gate), w(up), None,
-                                          None if any(b is None for b in blocks) else concat_rows(blocks), ops.silu_mul)
+            return matmul.silu_mul_linear(w(gate), w(up), None, blocks_of(gate, up), ops.silu_mul)
 
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         head_blocks = quantized.pop(head, None)

@@ -249,15 +249,15 @@ void attend_tile(const bf16* q, int64_t t0, int64_t rows, int64_t first_pos, int
     const bool reaches_first = k0 + kStep - 1 > first_pos + t0;
     const __m512 scale_v = _mm512_set1_ps(log2_scale);
     V16 row_sums;
+    auto score = [&](int64_t j) {  // key k0 + j's raw scores, masked past each lane's position
+      const V16 x = load16(s + j * 16);
+      return reaches_first && static_cast<float>(k0 + j) > pos ? V16{} + kMasked : x;
+    };
     auto probabilities = [&](V16 maxima) {
       const __m512 neg_m = reinterpret_cast<__m512>(-maxima);
       V16 sums = V16{}, highest[2] = {V16{} + kMasked, V16{} + kMasked};
       for (int64_t j = 0; j < kStep; j += 2) {
-        V16 x0 = load16(s + j * 16), x1 = load16(s + (j + 1) * 16);
-        if (reaches_first) {
-          x0 = static_cast<float>(k0 + j) > pos ? V16{} + kMasked : x0;
-          x1 = static_cast<float>(k0 + j + 1) > pos ? V16{} + kMasked : x1;
-        }
+        const V16 x0 = score(j), x1 = score(j + 1);
         highest[0] = highest[0] > x0 ? highest[0] : x0;
         highest[1] = highest[1] > x1 ? highest[1] : x1;
         const V16 e0 = exp2_16(reinterpret_cast<V16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(x0), scale_v, neg_m)));
@@ -274,9 +274,8 @@ void attend_tile(const bf16* q, int64_t t0, int64_t rows, int64_t first_pos, int
       // The tile's first step sets its lanes' maxima (nothing summed yet to rescale), by a pass of maxima alone.
       V16 highest[2] = {V16{} + kMasked, V16{} + kMasked};
       for (int64_t j = 0; j < kStep; ++j) {
-        const V16 x = load16(s + j * 16);
-        const V16 seen = reaches_first && static_cast<float>(j) > pos ? V16{} + kMasked : x;
-        highest[j % 2] = highest[j % 2] > seen ? highest[j % 2] : seen;
+        const V16 x = score(j);
+        highest[j % 2] = highest[j % 2] > x ? highest[j % 2] : x;
       }
       m = (highest[0] > highest[1] ? highest[0] : highest[1]) * log2_scale;
       probabilities(m);
