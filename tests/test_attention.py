@@ -40,6 +40,8 @@ def obvious_decode(q, k_cache, v_cache, tables, lens, scale):
         (torch.bfloat16, 6, 2, 30, 5),  # rows widened
         (torch.bfloat16, 8, 2, 128, 16),  # 4 vectors (AMX: 4 tiles) a head, groups of 4
         (torch.bfloat16, 4, 4, 32, 4),  # one vector a head, no GQA
+        (torch.bfloat16, 4, 2, 64, 16),  # groups of 2 (AVX2 alone: values two 16-value units a pass)
+        (torch.bfloat16, 8, 1, 32, 16),  # one KV head for 8 query heads
     ],
 )
 def test_kernel_matches_obvious_attention(kernel, dtype, heads, kv_heads, head_dim, block_size):
