@@ -4,8 +4,8 @@
 // after row in token order, for all query heads. Each KV head's part of a row is loaded into registers once for the
 // query heads of its GQA group, bfloat16 widened as it is loaded; nothing is gathered into a temporary. Scores: each
 // head's dot products of eight tokens are summed across lanes together (one transpose, vec.h) instead of one
-// horizontal sum per token and head; bfloat16 scores on AMX where the CPU has it (bf16_scores_by_tiles). Math in
-// float32.
+// horizontal sum per token and head; bfloat16 scores on AMX where the CPU has it (bf16_scores_by_tiles), and a
+// bfloat16 path of its own on CPUs with AVX2 alone (attend_decode_bf16_avx2). Math in float32.
 //
 // Tried and slower here: computing eight rows at a time straight from the cache (the interleaved reads lost the
 // hardware prefetchers: 1.5-2.5x slower from memory), and widening a sequence's rows into a buffer first (its reads
@@ -481,8 +481,8 @@ inline void load_bf16_pairs(const c10::BFloat16* p, Vec& even, Vec& odd) {
 // item's value rows are prefetched while its keys are read, so the passes find them in L2. The sums are put back in
 // order at the end. Against the 8-lane path on an AMD EPYC VM with AVX2 alone, alternating processes, medians of 9+
 // passes, ms a layer: 30 layers' caches of 1 x 512 tokens (in L3) 0.051 -> 0.030, 2 x 512 0.099 -> 0.075, one
-// layer's 16 x 512 repeated (in L3) 0.35-0.54 -> 0.27-0.39; from memory, 64 x 512, no change (2.0-2.2 both: torch's index_select of the same blocks
-// reads them at the same rate, 11.6 GB/s).
+// layer's 16 x 512 repeated (in L3) 0.35-0.54 -> 0.27-0.39. From memory, 64 x 512, no change (2.0-2.2 ms both):
+// torch's index_select of the same blocks reads them at the same rate there, 11.6 GB/s.
 template <int KD, int GROUP>
 void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                              const int64_t* table, int64_t begin, int64_t end, int64_t context, HeadRange heads,
@@ -550,7 +550,8 @@ void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cach
         const bf16* rows_at = head_cache + table[block] * block_elems + 16 * u0;
         for (int64_t r = offset; r < offset + rows; ++r) {
           Vec v[2 * kSlice];
-          for (int u = 0; u < kSlice; ++u) load_bf16_pairs(rows_at + r * g.row_size + 16 * u, v[2 * u], v[2 * u + 1]);
+          const bf16* row = rows_at + r * g.row_size;
+          for (int u = 0; u < kSlice; ++u) load_bf16_pairs(row + 16 * u, v[2 * u], v[2 * u + 1]);
           const int64_t t = t0 - begin + r - offset;
           for (int h = 0; h < GROUP; ++h) {
             const Vec p = splat(p_first[h * padded_len + t]);
@@ -563,7 +564,8 @@ void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cach
         const int64_t local = kv * GROUP + h;
         for (int u = 0; u < kSlice; ++u) {
           // Even and odd values back in order: dims 0-7 of the unit, then 8-15.
-          const __m256 even = reinterpret_cast<__m256>(acc[h][2 * u]), odd = reinterpret_cast<__m256>(acc[h][2 * u + 1]);
+          const __m256 even = reinterpret_cast<__m256>(acc[h][2 * u]);
+          const __m256 odd = reinterpret_cast<__m256>(acc[h][2 * u + 1]);
           const __m256 low = _mm256_unpacklo_ps(even, odd), high = _mm256_unpackhi_ps(even, odd);
           const Vec first = reinterpret_cast<Vec>(_mm256_permute2f128_ps(low, high, 0x20));
           const Vec second = reinterpret_cast<Vec>(_mm256_permute2f128_ps(low, high, 0x31));
