@@ -453,15 +453,6 @@ void attend_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
   }
 }
 
-// attend_decode_bf16 for this geometry, or null where it does not apply.
-template <int KD, int GROUP = 1>
-auto bf16_decode_for(int64_t group) -> decltype(&attend_decode_bf16<KD, 1>) {
-  if constexpr (GROUP > 8) {
-    return nullptr;
-  } else {
-    return group == GROUP ? &attend_decode_bf16<KD, GROUP> : bf16_decode_for<KD, GROUP + 1>(group);
-  }
-}
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512BF16__)
@@ -582,14 +573,32 @@ void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cach
     }
   }
 }
+#endif
 
-// attend_decode_bf16_avx2 for this geometry, or null where it does not apply.
+// The bfloat16 decode kernel of this build, for head sizes of whole units of kBf16Unit values (KD of them) and GQA
+// groups of up to 8: attend_decode_bf16 where the CPU has AVX-512 BF16, attend_decode_bf16_avx2 where it has AVX2
+// alone.
+#if defined(__AVX512BF16__) || defined(__AVX2__)
+using Bf16Decode = void (*)(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, const int64_t*, int64_t,
+                           int64_t, int64_t, HeadRange, c10::BFloat16*, const Partial*, const PagedGeometry&,
+                           DecodeScratch&);
+#if defined(__AVX512BF16__)
+constexpr int64_t kBf16Unit = 32;
+template <int KD, int GROUP>
+constexpr Bf16Decode bf16_decode = &attend_decode_bf16<KD, GROUP>;
+#else
+constexpr int64_t kBf16Unit = 16;
+template <int KD, int GROUP>
+constexpr Bf16Decode bf16_decode = &attend_decode_bf16_avx2<KD, GROUP>;
+#endif
+
+// bf16_decode for this geometry, or null where it does not apply.
 template <int KD, int GROUP = 1>
-auto bf16_avx2_decode_for(int64_t group) -> decltype(&attend_decode_bf16_avx2<KD, 1>) {
+Bf16Decode bf16_decode_for(int64_t group) {
   if constexpr (GROUP > 8) {
     return nullptr;
   } else {
-    return group == GROUP ? &attend_decode_bf16_avx2<KD, GROUP> : bf16_avx2_decode_for<KD, GROUP + 1>(group);
+    return group == GROUP ? bf16_decode<KD, GROUP> : bf16_decode_for<KD, GROUP + 1>(group);
   }
 }
 #endif
@@ -655,21 +664,12 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
                : g.padded_dim() == 16 * kLanes ? attend_decode<T, T, 16>
                                              : attend_decode<T, T, 0>;
   }
-#if defined(__AVX2__) && !defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__AVX2__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    decltype(&attend_decode_bf16_avx2<1, 1>) fast = nullptr;
-    if (g.head_dim == 32) fast = bf16_avx2_decode_for<2>(g.group());
-    if (g.head_dim == 64) fast = bf16_avx2_decode_for<4>(g.group());
-    if (g.head_dim == 128) fast = bf16_avx2_decode_for<8>(g.group());
-    if (fast) attend = fast;
-  }
-#endif
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    decltype(&attend_decode_bf16<1, 1>) fast = nullptr;
-    if (g.head_dim == 32) fast = bf16_decode_for<1>(g.group());
-    if (g.head_dim == 64) fast = bf16_decode_for<2>(g.group());
-    if (g.head_dim == 128) fast = bf16_decode_for<4>(g.group());
+    decltype(attend) fast = nullptr;
+    if (g.head_dim == 32) fast = bf16_decode_for<32 / kBf16Unit>(g.group());
+    if (g.head_dim == 64) fast = bf16_decode_for<64 / kBf16Unit>(g.group());
+    if (g.head_dim == 128) fast = bf16_decode_for<128 / kBf16Unit>(g.group());
     if (fast) attend = fast;
   }
 #endif
