@@ -193,3 +193,24 @@ def test_offline_run_holds_itself_to_its_own_matmul_peak(tiny_llama_dir, capsys)
         assert longer - 1e-4 <= line["roofline_seconds"] <= both + 1e-4
         assert line["seconds_over_roofline"] == pytest.approx(line["seconds"] / line["roofline_seconds"], rel=0.05)
         assert 0 < line["roofline_fraction_of_peak"] <= 1
+
+
+def test_agreement_runs_both_dtypes_on_the_given_backends(tiny_llama, monkeypatch):
+    from loom.bench import perf
+
+    built: list[EngineConfig] = []
+
+    class RecordingEngine(LLMEngine):
+        def __init__(self, config, loaded):
+            built.append(config)
+            super().__init__(config, loaded)
+
+    monkeypatch.setattr(perf, "LLMEngine", RecordingEngine)
+    monkeypatch.setattr(perf, "mixed_workload", lambda tokenizer, n: [BenchRequest([5, 6, 7, 8], 6)] * n)
+    config = EngineConfig(attention_backend="reference", layer_ops="torch", quantization="none",
+                          cache=CacheConfig(num_kv_blocks=64))
+    result = perf.dtype_agreement(tiny_llama, 3, config)
+    assert [c.dtype for c in built] == [torch.float32, torch.bfloat16]
+    assert all((c.attention_backend, c.layer_ops, c.quantization) == ("reference", "torch", "none") for c in built)
+    assert result["requests"] == 3 and result["tokens"] == 18
+    assert 0 <= result["position_agreement"] <= 1 and 0 <= result["identical_requests"] <= 3

@@ -15,6 +15,7 @@ Timings are medians of several runs; nothing here is asserted, only reported.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import random
 import signal
@@ -222,12 +223,7 @@ def main(args: argparse.Namespace) -> int:
     figures = set(args.figures.split(","))
     quantizations = args.quantizations.split(",")
     for dtype, quantization in itertools.product(args.dtypes.split(","), quantizations):
-        config = EngineConfig(
-            dtype=dtype, num_threads=args.threads, attention_backend=args.attention_backend,
-            matmul_backend=args.matmul_backend, quantization=quantization, layer_ops=args.layer_ops,
-            scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max(2048, args.prefill_tokens)),
-            cache=CacheConfig(kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), enable_prefix_caching=False),
-        )
+        config = engine_config(args, dtype, quantization)
         engine = LLMEngine(config, loaded)
         backend = matmul_backend_name(engine.runner.model)
         base = {"dtype": dtype, "quantization": quantization, "threads": torch.get_num_threads(),
@@ -253,17 +249,31 @@ def main(args: argparse.Namespace) -> int:
             emit({"figure": "serve_memory", **serve_memory(args.model, dtype, quantization)})
     if "agreement" in figures:
         for quantization in quantizations:
-            emit({"figure": "agreement", "quantization": quantization,
-                  **dtype_agreement(loaded, args.agreement_requests, quantization)})
+            emit({"figure": "agreement", "quantization": quantization, "attention_backend": args.attention_backend,
+                  "matmul_backend": args.matmul_backend, "layer_ops": args.layer_ops,
+                  **dtype_agreement(loaded, args.agreement_requests, engine_config(args, "float32", quantization))})
     return 0
 
 
-def dtype_agreement(loaded: LoadedModel, num_requests: int, quantization: str) -> dict:
-    """Share of positions where bf16 and fp32 greedy outputs agree, and of requests identical throughout."""
+def engine_config(args: argparse.Namespace, dtype: str, quantization: str) -> EngineConfig:
+    """The engine every figure runs on: the command line's backends and threads, room for the longest prefill."""
+    return EngineConfig(
+        dtype=dtype, num_threads=args.threads, attention_backend=args.attention_backend,
+        matmul_backend=args.matmul_backend, quantization=quantization, layer_ops=args.layer_ops,
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max(2048, args.prefill_tokens)),
+        cache=CacheConfig(kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), enable_prefix_caching=False),
+    )
+
+
+def dtype_agreement(loaded: LoadedModel, num_requests: int, config: EngineConfig) -> dict:
+    """Share of positions where bf16 and fp32 greedy outputs agree, and of requests identical throughout.
+
+    Both runs use `config` (backends, quantization, threads) but for the dtype, so a flag such as
+    --attention-backend reference shows whether a kernel moves the agreement."""
     requests = mixed_workload(loaded.tokenizer, num_requests)
     outputs = {}
     for dtype in ("float32", "bfloat16"):
-        engine = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization), loaded)
+        engine = LLMEngine(dataclasses.replace(config, dtype=dtype), loaded)
         _, outputs[dtype], _ = run_once(engine, requests, "continuous", num_requests, 512)
     same_positions = total = identical = prefix = 0
     for a, b in zip(outputs["float32"], outputs["bfloat16"]):
