@@ -157,6 +157,9 @@ def test_perf_figures_on_a_tiny_model(tiny_llama):
     assert peak["peak_gflops"] > 0 and set(peak["gflops_by_rows_all_shapes"]) == {8, 64}
     decode = decode_step(engine, batch=4, context=20, bandwidth=1e10)
     assert decode["batch"] == 4 and decode["step_ms"] > 0 and decode["matmuls_alone_ms"] > 0
+    # Forward and logits are timed inside the very steps timed whole, so what is left outside is never negative.
+    assert 0 < decode["forward_ms"] < decode["step_ms"] and 0 <= decode["outside_forward_share"] < 1
+    assert len(decode["step_over_matmuls_by_round"]) == decode["rounds"]
     # 4 requests of 20 prompt tokens, each with one or more tokens decoded: their K/V on top of the weights.
     weights, kv_per_token = weight_bytes(engine.runner.model), engine.runner.kv_spec.bytes_per_token
     assert decode["matmuls_memory_floor_ms"] == round(weights / 1e10 * 1e3, 2)

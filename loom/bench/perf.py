@@ -19,9 +19,11 @@ import dataclasses
 import itertools
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -35,6 +37,8 @@ from loom.bench.workloads import mixed_workload
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.engine.batch import build_batch_metadata
 from loom.engine.engine import LLMEngine
+from loom.engine.runner import StepResult
+from loom.engine.scheduler import SchedulerOutput
 from loom.model.layer_ops import FusedLayerOps
 from loom.model.linear import make_matmul
 from loom.model.loader import LoadedModel, load_model
@@ -52,53 +56,73 @@ def _random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 @torch.inference_mode()
-def decode_step(engine: LLMEngine, batch: int, context: int, bandwidth: float, seed: int = 0) -> dict:
+def decode_step(engine: LLMEngine, batch: int, context: int, bandwidth: float, seed: int = 0,
+                rounds: int = 7) -> dict:
     """Fill the running set with `batch` requests of `context` prompt tokens, then time their decode steps.
 
-    Beside the times: the step's floors at `bandwidth` bytes/s (its matmuls stream every weight once; the step adds
-    every request's K/V once), whose ratio is the lowest step_over_matmuls that memory allows."""
+    Each of `rounds` rounds times one whole step, with its forward and its logits timed inside it (so the time
+    outside them is that same step's), and then the step's matmuls alone: ratios are taken within a round, a few
+    hundred milliseconds apart, so that a noisy machine's slow and fast phases do not fall on one side only.
+    Medians over the rounds. Beside the times: the step's floors at `bandwidth` bytes/s (its matmuls stream every
+    weight once; the step adds every request's K/V once), whose ratio is the lowest step_over_matmuls that memory
+    allows."""
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     ids = [
-        engine.add_request(_random_prompt(rng, context, vocab), SamplingParams(max_tokens=64, temperature=0.0,
+        engine.add_request(_random_prompt(rng, context, vocab), SamplingParams(max_tokens=64 + rounds, temperature=0.0,
                                                                                ignore_eos=True))
         for _ in range(batch)
     ]
     while any(engine.requests[i].num_output_tokens == 0 for i in ids):
         engine.step()
-    captured = []
-    with engine.observing(lambda out, result, *_: captured.append((out, result))):
-        step_s = median_seconds(engine.step, repeats=5, warmup=1)
-    out, result = captured[-1]
-    meta = result.metadata
     runner = engine.runner
-    model, kv = runner.model, runner.kv_caches
-    # Re-running the last step's forward rewrites the same K/V at the same slots: harmless, and timed alone.
-    forward_s = median_seconds(lambda: model.forward(meta, kv, runner.attention), repeats=3)
-    hidden = model.forward(meta, kv, runner.attention)[meta.logits_indices]
-    logits_s = median_seconds(lambda: model.compute_logits(hidden), repeats=3)
+    model = runner.model
+    engine.step()  # warm-up
+    steps: list[tuple[SchedulerOutput, StepResult]] = []
+    rows: dict[str, list[float]] = {"step": [], "matmuls": []}
+    with engine.observing(lambda out, result, *_: steps.append((out, result))):
+        for _ in range(rounds):
+            started = time.perf_counter()
+            engine.step()
+            rows["step"].append(time.perf_counter() - started)
+            if len(steps) == 1:
+                first = steps[0][1].metadata
+                run_matmuls = matmuls_alone(model, first.num_tokens, len(first.sampled_scheduled_index))
+                run_matmuls()  # warm-up
+            started = time.perf_counter()
+            run_matmuls()
+            rows["matmuls"].append(time.perf_counter() - started)
+    rows["forward"] = [result.forward_seconds for _, result in steps]
+    rows["logits"] = [result.logits_seconds for _, result in steps]
+    out, meta = steps[-1][0], steps[-1][1].metadata
+    # Re-running the last step's forward rewrites the same K/V at the same slots: harmless.
+    hidden = model.forward(meta, runner.kv_caches, runner.attention)[meta.logits_indices]
     logits = model.compute_logits(hidden)
     requests = [out.scheduled[i].request for i in meta.sampled_scheduled_index]
     metadata_s = median_seconds(lambda: build_batch_metadata(out, engine.config.cache.block_size), repeats=5)
     sample_s = median_seconds(lambda: runner.sampler.sample(logits, requests), repeats=5)
-    matmul_s = median_seconds(matmuls_alone(model, meta.num_tokens, len(requests)), repeats=3)
     for i in ids:
         engine.abort(i)
-    outside = step_s - forward_s - logits_s
+    step_s, forward_s, logits_s, matmul_s = (statistics.median(rows[k]) for k in ("step", "forward", "logits",
+                                                                                  "matmuls"))
+    outside = [s - f - lg for s, f, lg in zip(rows["step"], rows["forward"], rows["logits"])]
     weights = weight_bytes(model)
     kv = sum(meta.context_lens_host) * runner.kv_spec.bytes_per_token
     return {
         "batch": batch,
         "context_tokens": context,
+        "rounds": rounds,
         "step_ms": round(step_s * 1e3, 2),
         "matmuls_alone_ms": round(matmul_s * 1e3, 2),
-        "step_over_matmuls": round(step_s / matmul_s, 2),
+        "step_over_matmuls": round(statistics.median(s / m for s, m in zip(rows["step"], rows["matmuls"])), 2),
+        "step_over_matmuls_by_round": [round(s / m, 2) for s, m in zip(rows["step"], rows["matmuls"])],
         "forward_ms": round(forward_s * 1e3, 2),
-        "attention_and_other_forward_ms": round((forward_s + logits_s - matmul_s) * 1e3, 2),
+        "attention_and_other_forward_ms": round(statistics.median(
+            f + lg - m for f, lg, m in zip(rows["forward"], rows["logits"], rows["matmuls"])) * 1e3, 2),
         "metadata_ms": round(metadata_s * 1e3, 3),
         "sampling_ms": round(sample_s * 1e3, 3),
-        "outside_forward_ms": round(outside * 1e3, 2),
-        "outside_forward_share": round(outside / step_s, 3),
+        "outside_forward_ms": round(statistics.median(outside) * 1e3, 2),
+        "outside_forward_share": round(statistics.median(o / s for o, s in zip(outside, rows["step"])), 3),
         "output_tokens_per_s": round(batch / step_s, 1),
         "read_bandwidth_gbps": round(bandwidth / 1e9, 1),
         "matmuls_memory_floor_ms": round(weights / bandwidth * 1e3, 2),

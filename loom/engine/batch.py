@@ -7,6 +7,7 @@ attention backend runs every decode in one batched call. Every layer receives th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -33,7 +34,6 @@ class BatchMetadata:
     logits_indices: torch.Tensor  # [S] int64
     num_decodes: int
     decode_max_blocks: int
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, decode_max_blocks * block_size] bool
     block_size: int
     # Host copies for Python-side loops over prefill chunks (no device syncs).
     query_starts: list[int]
@@ -53,6 +53,15 @@ class BatchMetadata:
 
     def query_len(self, i: int) -> int:
         return self.query_starts[i + 1] - self.query_starts[i]
+
+    @cached_property
+    def decode_mask(self) -> torch.Tensor | None:
+        """[num_decodes, 1, 1, decode_max_blocks * block_size] bool: which keys each decode row sees. Built on first
+        use (by SDPA, once a step), so that the paged kernels' steps do not pay for it."""
+        if not self.num_decodes:
+            return None
+        key_pos = torch.arange(self.decode_max_blocks * self.block_size, device=self.context_lens.device)
+        return (key_pos[None, :] < self.context_lens[: self.num_decodes, None]).view(self.num_decodes, 1, 1, -1)
 
 
 def build_batch_metadata(
@@ -96,14 +105,11 @@ def build_batch_metadata(
 
     num_decodes = len(decode_idx) + n_pad
     decode_max_blocks = max(num_blocks[:num_decodes]) if num_decodes else 0
-    decode_mask = None
-    if num_decodes:
-        key_pos = np.arange(decode_max_blocks * block_size)
-        mask = key_pos[None, :] < context_lens[:num_decodes, None]
-        decode_mask = torch.from_numpy(mask).to(device).view(num_decodes, 1, 1, -1)
+    on_cpu = torch.device(device).type == "cpu"
 
     def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        tensor = torch.from_numpy(np.ascontiguousarray(a))
+        return tensor if on_cpu else tensor.to(device)
 
     return BatchMetadata(
         input_ids=t(input_ids),
@@ -115,7 +121,6 @@ def build_batch_metadata(
         logits_indices=t(logits_indices),
         num_decodes=num_decodes,
         decode_max_blocks=decode_max_blocks,
-        decode_mask=decode_mask,
         block_size=block_size,
         query_starts=cu.tolist(),
         context_lens_host=context_lens.tolist(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,8 @@ class StepResult:
     tokens: list[int | None]
     logprobs: list[TokenLogprob | None]
     metadata: BatchMetadata
+    forward_seconds: float  # the model's forward over the packed row
+    logits_seconds: float  # final norm and LM head of the sampled rows (0 when none samples)
 
 
 class ModelRunner:
@@ -38,15 +41,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         meta = build_batch_metadata(out, self.kv_spec.block_size)
+        started = time.perf_counter()
         hidden = self.model.forward(meta, self.kv_caches, self.attention)
+        forwarded = time.perf_counter()
         num = len(out.scheduled)
         tokens: list[int | None] = [None] * num
         logprobs: list[TokenLogprob | None] = [None] * num
+        logits_seconds = 0.0
         if meta.sampled_scheduled_index:
             logits = self.model.compute_logits(hidden[meta.logits_indices])
+            logits_seconds = time.perf_counter() - forwarded
             requests = [out.scheduled[i].request for i in meta.sampled_scheduled_index]
             sampled, lps = self.sampler.sample(logits, requests)
             for i, tok, lp in zip(meta.sampled_scheduled_index, sampled, lps):
                 tokens[i] = tok
                 logprobs[i] = lp
-        return StepResult(tokens, logprobs, meta)
+        return StepResult(tokens, logprobs, meta, forwarded - started, logits_seconds)
