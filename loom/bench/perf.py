@@ -61,11 +61,11 @@ def decode_step(engine: LLMEngine, batch: int, context: int, bandwidth: float, s
     """Fill the running set with `batch` requests of `context` prompt tokens, then time their decode steps.
 
     Each of `rounds` rounds times one whole step, with its forward and its logits timed inside it (so the time
-    outside them is that same step's), and then the step's matmuls alone: ratios are taken within a round, a few
-    hundred milliseconds apart, so that a noisy machine's slow and fast phases do not fall on one side only.
-    Medians over the rounds. Beside the times: the step's floors at `bandwidth` bytes/s (its matmuls stream every
-    weight once; the step adds every request's K/V once), whose ratio is the lowest step_over_matmuls that memory
-    allows."""
+    outside them is that same step's), and right after it the step's matmuls alone: ratios are taken within a round,
+    so that a noisy machine's slow and fast phases do not fall on one side only. Medians over the rounds.
+
+    Beside the times: the step's floors at `bandwidth` bytes/s (its matmuls stream every weight once; the step adds
+    every request's K/V once), whose ratio is the lowest step_over_matmuls that memory allows."""
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     ids = [

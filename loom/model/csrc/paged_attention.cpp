@@ -745,7 +745,7 @@ torch::Tensor attend_step(const torch::Tensor& q, const torch::Tensor& k, const 
               "num_decodes must count the step's first sequences, one query row each");
   write_kv(k, v, k_cache, v_cache, slot_mapping);
   auto out = torch::empty(q.sizes(), q.options());
-  if (num_decodes == num_seqs && num_decodes == q.size(0)) {  // decodes alone: no views (each costs a microsecond)
+  if (num_decodes == num_seqs && num_decodes == q.size(0)) {  // decodes alone: no views (about 2 us each here)
     decode_attention(q, k_cache, v_cache, block_tables, context_lens, out, scale);
   } else if (num_decodes > 0) {
     auto decode_out = out.narrow(0, 0, num_decodes);
