@@ -634,10 +634,11 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
   // long sequence is read by all threads. The chunks depend on the context length alone, never on the batch, so a
   // sequence gets the same bits in any batch. Longest first for an even split; handed out one at a time.
   // Until the twentieth session a step of fewer than 4 sequences a thread split each into its KV heads, and
-  // contexts went in chunks of 512. Each head's item read a third of every row, yet the hardware prefetchers
-  // brought in whole rows, so every row came from memory up to three times. With whole rows and 256-token chunks,
-  // in a one-request bfloat16 decode step on an AMD EPYC VM with AVX2 alone (alternating processes, ms of
-  // attention a step): 1 x 512 2.15-3.46 -> 1.70-2.07; 1 x 2000 14.8-15.3 -> 11.4-12.3; 1 x 128 the same.
+  // contexts went in chunks of 512. Each head's item read a third of every row, and one thread reading whole rows
+  // was as fast as two reading a head each: likely the hardware prefetchers brought in whole rows, so every row came
+  // from memory up to three times. With whole rows and 256-token chunks, in a one-request bfloat16 decode step on
+  // an AMD EPYC VM with AVX2 alone (alternating processes, ms of attention a step): 1 x 512 2.15-3.46 -> 1.70-2.07;
+  // 1 x 2000 14.8-15.3 -> 11.4-12.3; 1 x 128 the same.
   struct Item {
     int64_t seq, begin, end, chunk;  // chunk: its index among all chunks of chunked sequences, or -1
     HeadRange heads;
