@@ -452,7 +452,6 @@ void attend_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
     }
   }
 }
-
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512BF16__)
@@ -641,8 +640,8 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
   // 1 x 2000 14.8-15.3 -> 11.4-12.3; 1 x 128 the same.
   struct Item {
     int64_t seq, begin, end, chunk;  // chunk: its index among all chunks of chunked sequences, or -1
-    HeadRange heads;
   };
+  const HeadRange all_heads{0, g.num_kv_heads};
   std::vector<Item> items;
   std::vector<int64_t> first_chunk(num_seqs, -1);  // a chunked sequence's first chunk index
   int64_t num_chunks = 0;
@@ -651,7 +650,7 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
     if (chunks > 1) first_chunk[seq] = num_chunks, num_chunks += chunks;
     for (int64_t c = 0; c < chunks; ++c)
       items.push_back({seq, c * kChunkTokens, std::min(len, (c + 1) * kChunkTokens),
-                       chunks > 1 ? first_chunk[seq] + c : -1, {0, g.num_kv_heads}});
+                       chunks > 1 ? first_chunk[seq] + c : -1});
   }
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.end - a.begin > b.end - b.begin; });
@@ -680,11 +679,11 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
         const Item& it = items[i];
         Partial partial{};
         if (it.chunk >= 0) {
-          const int64_t first = it.chunk * g.num_heads + it.heads.first * g.group();  // the item's first head
+          const int64_t first = it.chunk * g.num_heads;  // the chunk's first head
           partial = {chunk_acc.data() + first * g.head_dim, chunk_max.data() + first, chunk_sum.data() + first};
         }
         attend(q + it.seq * g.q_row_stride, k_cache, v_cache, block_tables + it.seq * g.max_blocks,
-               it.begin, it.end, context_lens[it.seq], it.heads, out + it.seq * g.num_heads * g.head_dim,
+               it.begin, it.end, context_lens[it.seq], all_heads, out + it.seq * g.num_heads * g.head_dim,
                it.chunk < 0 ? nullptr : &partial, g, scratch);
       });
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
@@ -746,12 +745,13 @@ torch::Tensor attend_step(const torch::Tensor& q, const torch::Tensor& k, const 
               "num_decodes must count the step's first sequences, one query row each");
   write_kv(k, v, k_cache, v_cache, slot_mapping);
   auto out = torch::empty(q.sizes(), q.options());
-  if (num_decodes == num_seqs && num_decodes == q.size(0)) {  // decodes alone: no views (about 2 us each here)
-    decode_attention(q, k_cache, v_cache, block_tables, context_lens, out, scale);
-  } else if (num_decodes > 0) {
-    auto decode_out = out.narrow(0, 0, num_decodes);
-    decode_attention(q.narrow(0, 0, num_decodes), k_cache, v_cache, block_tables.narrow(0, 0, num_decodes),
-                     context_lens.narrow(0, 0, num_decodes), decode_out, scale);
+  // The first n rows of t: t itself when they are all of it, as in a step of decodes alone (a view costs about
+  // 2 us here, and this call runs once a layer).
+  const auto first_rows = [](const torch::Tensor& t, int64_t n) { return n == t.size(0) ? t : t.narrow(0, 0, n); };
+  if (num_decodes > 0) {
+    auto decode_out = first_rows(out, num_decodes);
+    decode_attention(first_rows(q, num_decodes), k_cache, v_cache, first_rows(block_tables, num_decodes),
+                     first_rows(context_lens, num_decodes), decode_out, scale);
   }
   if (num_seqs > num_decodes)
     prefill_attention(q, k_cache, v_cache, block_tables, context_lens, query_starts, num_decodes, out, scale);
