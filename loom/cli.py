@@ -11,6 +11,7 @@ from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.model.attention import ATTENTION_BACKENDS
 from loom.model.layer_ops import LAYER_OPS
 from loom.model.linear import MATMUL_BACKENDS, QUANTIZATIONS
+from loom.server import KEEP_ALIVE_SECONDS
 
 
 def _engine_args(p: argparse.ArgumentParser, kv_cache_gib: float, one_setting: bool = True) -> None:
@@ -122,7 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # a clean drain exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                timeout_graceful_shutdown=args.shutdown_timeout)
+                timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=args.keep_alive_timeout)
     return 0
 
 
@@ -187,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a request may take from arrival; past it, it is aborted with a 504 error")
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds to drain on SIGTERM")
+    s.add_argument("--keep-alive-timeout", type=float, default=KEEP_ALIVE_SECONDS,
+                   help="seconds an idle HTTP keep-alive connection stays open; keep it above clients' idle expiry "
+                        "(httpx: 5 s)")
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")

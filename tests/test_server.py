@@ -18,6 +18,7 @@ from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.engine.async_engine import AsyncEngine
 from loom.engine.engine import LLMEngine
 from loom.bench.serve_client import free_loopback_port, wait_until_healthy
+from loom.server import KEEP_ALIVE_SECONDS
 from loom.server.app import create_app
 
 
@@ -28,7 +29,8 @@ def running_server(loaded, max_num_seqs=16, num_kv_blocks=256, **app_kwargs):
     async_engine = AsyncEngine(engine, max_waiting=app_kwargs.pop("max_waiting", None),
                                request_timeout=app_kwargs.pop("request_timeout", None))
     app = create_app(async_engine, "tiny", **app_kwargs)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_loopback_port(), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_loopback_port(), log_level="warning",
+                                           timeout_keep_alive=KEEP_ALIVE_SECONDS))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
@@ -260,6 +262,22 @@ def test_overload_gets_503_with_retry_after_then_recovers(tiny_llama):
         assert r.status_code == 200
         _wait_idle(engine)
         assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
+
+
+def test_serve_keeps_idle_connections_longer_than_httpx_reuses_them(tiny_llama_dir, monkeypatch):
+    """At uvicorn's default 5 s, equal to httpx's idle expiry, a pooled connection could be closed by the server as
+    the client reused it: the soak test then failed with httpx.ReadError (reproduced at 0.05 s against httpx's 5 s)."""
+    import signal
+
+    from loom.cli import build_parser, cmd_serve
+
+    seen: dict = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(signal, "signal", lambda *_: None)
+    args = build_parser().parse_args(["serve", str(tiny_llama_dir)])
+    assert cmd_serve(args) == 0
+    assert seen["timeout_keep_alive"] == KEEP_ALIVE_SECONDS > httpx.Limits().keepalive_expiry
+    assert build_parser().parse_args(["serve", "--keep-alive-timeout", "7"]).keep_alive_timeout == 7.0
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_zero(tiny_llama_dir):
