@@ -180,7 +180,8 @@ def test_prefill_kernel_matches_obvious(kernel, heads, kv_heads, head_dim, block
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prompt_gets_the_same_bits_in_any_chunks(kernel, dtype):
     """Each query row's softmax walks the keys from key 0 in fixed steps, so a token's attention does not depend on
-    the chunk or tile it is prefilled in: a 300-token prompt at once, or as chunks of 100, 150 and 50."""
+    the chunk or tile it is prefilled in: a 300-token prompt at once, or as chunks of 100, 150 and 50, on one thread
+    or two (the kernel groups fewer tiles into a work item when there are more threads to share them)."""
     gen = torch.Generator().manual_seed(7)
     heads, kv_heads, head_dim, block_size, n = 9, 3, 64, 16, 300
     k_cache = torch.randn(40, block_size, kv_heads, head_dim, generator=gen).to(dtype)
@@ -189,13 +190,19 @@ def test_a_prompt_gets_the_same_bits_in_any_chunks(kernel, dtype):
     q = torch.randn(n, heads, head_dim, generator=gen).to(dtype)
     whole = torch.empty_like(q)
     kernel.prefill_attention(q, k_cache, v_cache, tables, torch.tensor([n]), torch.tensor([0, n]), 0, whole, 0.125)
-    chunked = torch.empty_like(q)
-    for lo, hi in [(0, 100), (100, 250), (250, 300)]:
-        part = torch.empty_like(q[lo:hi])
-        kernel.prefill_attention(q[lo:hi].contiguous(), k_cache, v_cache, tables, torch.tensor([hi]),
-                                 torch.tensor([0, hi - lo]), 0, part, 0.125)
-        chunked[lo:hi] = part
-    assert torch.equal(chunked, whole)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            chunked = torch.empty_like(q)
+            for lo, hi in [(0, 100), (100, 250), (250, 300)]:
+                part = torch.empty_like(q[lo:hi])
+                kernel.prefill_attention(q[lo:hi].contiguous(), k_cache, v_cache, tables, torch.tensor([hi]),
+                                         torch.tensor([0, hi - lo]), 0, part, 0.125)
+                chunked[lo:hi] = part
+            assert torch.equal(chunked, whole)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

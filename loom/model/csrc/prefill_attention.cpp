@@ -36,6 +36,8 @@ constexpr int kKeyTile = 4;              // keys per score register tile: 4 x kV
 constexpr int kDimTile = 4;              // head dims per output register tile
 constexpr int64_t kStepKeys = 64;        // keys per online-softmax step (whole cache blocks, at least one)
 constexpr int kMaxRuns = kStepKeys;      // blocks per step at most (block_size 1)
+constexpr int kMaxTilesPerItem = 8;      // tiles of one work item, which share each step's keys
+constexpr int kItemsPerThread = 4;       // fewer tiles an item while there would be fewer items a thread
 
 // A run of keys (one cache block's) as float32 rows: `stride` floats apart.
 struct KeyRun {
@@ -99,79 +101,133 @@ inline void value_tile(Vec* ot, const Vec* alpha, const Vec* p, const KeyRun* ru
     for (int v = 0; v < kVecs; ++v) ot[(d0 + i) * kVecs + v] = acc[i][v];
 }
 
-// One tile: rows [row0, row0 + kRows) of the chunk's (token, group head) rows for KV head kvh.
-template <typename T>
-void attend_tile(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t n, int64_t ctx,
-                 int64_t kvh, int64_t row0, T* out, const PagedGeometry& g, std::vector<Vec>& scratch,
-                 std::vector<float>& kv_buffer) {
-  const int64_t group = g.group(), head_dim = g.head_dim;
-  const int64_t rows = std::min<int64_t>(kRows, n * group - row0);
-  Vec* qt = scratch.data();                  // [head_dim][kVecs]
-  Vec* ot = qt + head_dim * kVecs;           // [head_dim][kVecs]
-  Vec* s = ot + head_dim * kVecs;            // [step keys][kVecs]
-  Vec m[kVecs], l[kVecs], alpha[kVecs], row_pos[kVecs];
-  float* qt_f = reinterpret_cast<float*>(qt);
-  float* pos_f = reinterpret_cast<float*>(row_pos);
-  for (int64_t r = 0; r < kRows; ++r) {
-    const int64_t token = (row0 + std::min(r, rows - 1)) / group, head = kvh * group + (row0 + r) % group;
-    pos_f[r] = static_cast<float>(ctx - n + token);
-    const T* qr = q + token * g.q_row_stride + head * head_dim;
-    for (int64_t d = 0; d < head_dim; ++d) qt_f[d * kRows + r] = r < rows ? widen(qr[d]) * g.scale : 0.f;
-  }
-  std::fill(ot, ot + head_dim * kVecs, Vec{});
-  for (int v = 0; v < kVecs; ++v) m[v] = splat(kMasked), l[v] = Vec{};
+// The running state of one register tile: its query rows transposed and scaled, its output, and the online
+// softmax's max and sum per row.
+struct TileState {
+  Vec* qt;  // [head_dim][kVecs]
+  Vec* ot;  // [head_dim][kVecs]
+  Vec m[kVecs], l[kVecs], row_pos[kVecs];
+  int64_t row0, rows, first_pos, last_pos;
+};
 
-  const int64_t first_pos = ctx - n + row0 / group, last_pos = ctx - n + (row0 + rows - 1) / group;
+// The first `count` keys of `runs` as runs of their own; returns how many runs that takes.
+inline int first_keys(const KeyRun* runs, int num_runs, int64_t count, KeyRun* out) {
+  int used = 0;
+  for (; used < num_runs && count > 0; ++used) {
+    out[used] = runs[used];
+    out[used].count = std::min(out[used].count, count);
+    count -= out[used].count;
+  }
+  return used;
+}
+
+// One step of one tile over the step's first `count` keys (positions t0...): scores into s, the online-softmax
+// update, then one pass of V.
+inline void tile_step(TileState& tile, const KeyRun* key_runs, const KeyRun* value_runs, int num_runs, int64_t t0,
+                      int64_t count, int64_t head_dim, Vec* s) {
+  KeyRun keys[kMaxRuns], values[kMaxRuns];
+  num_runs = first_keys(key_runs, num_runs, count, keys);
+  first_keys(value_runs, num_runs, count, values);
+  for (int run = 0, offset = 0; run < num_runs; offset += keys[run].count, ++run) {
+    Vec* sr = s + offset * kVecs;
+    int64_t j = 0;
+    for (; j + kKeyTile <= keys[run].count; j += kKeyTile)
+      score_tile<kKeyTile>(tile.qt, keys[run].rows + j * keys[run].stride, keys[run].stride, head_dim, sr + j * kVecs);
+    for (; j < keys[run].count; ++j)
+      score_tile<1>(tile.qt, keys[run].rows + j * keys[run].stride, keys[run].stride, head_dim, sr + j * kVecs);
+  }
+  if (t0 + count - 1 > tile.first_pos)  // the diagonal: a key after a row's own position is masked
+    for (int64_t j = 0; j < count; ++j)
+      for (int v = 0; v < kVecs; ++v)
+        s[j * kVecs + v] = splat(static_cast<float>(t0 + j)) > tile.row_pos[v] ? splat(kMasked) : s[j * kVecs + v];
+  Vec alpha[kVecs];
+  for (int v = 0; v < kVecs; ++v) {
+    Vec step_max = tile.m[v];
+    for (int64_t j = 0; j < count; ++j) step_max = vmax(step_max, s[j * kVecs + v]);
+    alpha[v] = exp_nonpositive(tile.m[v] - step_max);
+    Vec sum = Vec{};
+    for (int64_t j = 0; j < count; ++j) {
+      const Vec p = exp_nonpositive(s[j * kVecs + v] - step_max);
+      s[j * kVecs + v] = p;
+      sum += p;
+    }
+    tile.l[v] = tile.l[v] * alpha[v] + sum;
+    tile.m[v] = step_max;
+  }
+  int64_t d0 = 0;
+  for (; d0 + kDimTile <= head_dim; d0 += kDimTile) value_tile<kDimTile>(tile.ot, alpha, s, values, num_runs, d0);
+  for (; d0 < head_dim; ++d0) value_tile<1>(tile.ot, alpha, s, values, num_runs, d0);
+}
+
+// Per-thread buffers: the tiles' states, one step's scores, one step's keys and values as float32.
+struct Scratch {
+  std::vector<Vec> tiles;   // tiles per item x (qt, ot)
+  std::vector<Vec> scores;  // [step keys][kVecs]
+  std::vector<float> kv_buffer;
+};
+
+// One item: up to `tiles_per_item` consecutive tiles of kRows query rows, from row0 of the chunk's (token, group head)
+// rows for KV head kvh. Each step's keys are read (and widened) once for all of the item's tiles.
+template <typename T>
+void attend_tiles(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t n, int64_t ctx,
+                  int64_t kvh, int64_t row0, int64_t tiles_per_item, T* out, const PagedGeometry& g,
+                  Scratch& scratch) {
+  const int64_t group = g.group(), head_dim = g.head_dim;
+  const int64_t num_tiles = std::min<int64_t>(tiles_per_item, (n * group - row0 + kRows - 1) / kRows);
+  TileState tiles[kMaxTilesPerItem];
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    TileState& tile = tiles[t];
+    tile.qt = scratch.tiles.data() + 2 * t * head_dim * kVecs;
+    tile.ot = tile.qt + head_dim * kVecs;
+    tile.row0 = row0 + t * kRows;
+    tile.rows = std::min<int64_t>(kRows, n * group - tile.row0);
+    float* qt_f = reinterpret_cast<float*>(tile.qt);
+    float* pos_f = reinterpret_cast<float*>(tile.row_pos);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const int64_t token = (tile.row0 + std::min(r, tile.rows - 1)) / group;
+      const int64_t head = kvh * group + (tile.row0 + r) % group;
+      pos_f[r] = static_cast<float>(ctx - n + token);
+      const T* qr = q + token * g.q_row_stride + head * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) qt_f[d * kRows + r] = r < tile.rows ? widen(qr[d]) * g.scale : 0.f;
+    }
+    std::fill(tile.ot, tile.ot + head_dim * kVecs, Vec{});
+    for (int v = 0; v < kVecs; ++v) tile.m[v] = splat(kMasked), tile.l[v] = Vec{};
+    tile.first_pos = ctx - n + tile.row0 / group;
+    tile.last_pos = ctx - n + (tile.row0 + tile.rows - 1) / group;
+  }
+
+  const int64_t last_pos = tiles[num_tiles - 1].last_pos;
   const int64_t step_blocks = std::max<int64_t>(1, kStepKeys / g.block_size);
   KeyRun key_runs[kMaxRuns], value_runs[kMaxRuns];
   for (int64_t b = 0, t0 = 0; t0 <= last_pos; t0 += step_blocks * g.block_size) {
-    // One step: up to step_blocks blocks of keys, scored into s, then one online-softmax update and one pass of V.
+    // One step: up to step_blocks blocks of keys, then each tile that reaches them takes its share.
     int num_runs = 0;
     int64_t count = 0;
     for (; num_runs < step_blocks && t0 + count <= last_pos; ++num_runs, ++b) {
       const int64_t run_count = std::min(g.block_size, last_pos + 1 - t0 - count);
       const int64_t offset = table[b] * g.block_size * g.row_size + kvh * head_dim;
-      float* k_buffer = kv_buffer.data() + count * head_dim;
+      float* k_buffer = scratch.kv_buffer.data() + count * head_dim;
       float* v_buffer = k_buffer + step_blocks * g.block_size * head_dim;
       key_runs[num_runs] = block_rows(k_cache + offset, run_count, head_dim, g.row_size, k_buffer);
       value_runs[num_runs] = block_rows(v_cache + offset, run_count, head_dim, g.row_size, v_buffer);
-      const KeyRun& keys = key_runs[num_runs];
-      Vec* sr = s + count * kVecs;
-      int64_t j = 0;
-      for (; j + kKeyTile <= run_count; j += kKeyTile)
-        score_tile<kKeyTile>(qt, keys.rows + j * keys.stride, keys.stride, head_dim, sr + j * kVecs);
-      for (; j < run_count; ++j) score_tile<1>(qt, keys.rows + j * keys.stride, keys.stride, head_dim, sr + j * kVecs);
       count += run_count;
     }
-    if (t0 + count - 1 > first_pos)  // the diagonal: a key after a row's own position is masked
-      for (int64_t j = 0; j < count; ++j)
-        for (int v = 0; v < kVecs; ++v)
-          s[j * kVecs + v] = splat(static_cast<float>(t0 + j)) > row_pos[v] ? splat(kMasked) : s[j * kVecs + v];
-    for (int v = 0; v < kVecs; ++v) {
-      Vec step_max = m[v];
-      for (int64_t j = 0; j < count; ++j) step_max = vmax(step_max, s[j * kVecs + v]);
-      alpha[v] = exp_nonpositive(m[v] - step_max);
-      Vec sum = Vec{};
-      for (int64_t j = 0; j < count; ++j) {
-        const Vec p = exp_nonpositive(s[j * kVecs + v] - step_max);
-        s[j * kVecs + v] = p;
-        sum += p;
-      }
-      l[v] = l[v] * alpha[v] + sum;
-      m[v] = step_max;
-    }
-    int64_t d0 = 0;
-    for (; d0 + kDimTile <= head_dim; d0 += kDimTile) value_tile<kDimTile>(ot, alpha, s, value_runs, num_runs, d0);
-    for (; d0 < head_dim; ++d0) value_tile<1>(ot, alpha, s, value_runs, num_runs, d0);
+    for (int64_t t = 0; t < num_tiles; ++t)
+      if (tiles[t].last_pos >= t0)
+        tile_step(tiles[t], key_runs, value_runs, num_runs, t0, std::min(count, tiles[t].last_pos + 1 - t0),
+                  head_dim, scratch.scores.data());
   }
 
-  const float* ot_f = reinterpret_cast<const float*>(ot);
-  const float* l_f = reinterpret_cast<const float*>(l);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t token = (row0 + r) / group, head = kvh * group + (row0 + r) % group;
-    T* o = out + (token * g.num_heads + head) * head_dim;
-    const float inv = 1.f / l_f[r];
-    for (int64_t d = 0; d < head_dim; ++d) o[d] = T(ot_f[d * kRows + r] * inv);
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    const TileState& tile = tiles[t];
+    const float* ot_f = reinterpret_cast<const float*>(tile.ot);
+    const float* l_f = reinterpret_cast<const float*>(tile.l);
+    for (int64_t r = 0; r < tile.rows; ++r) {
+      const int64_t token = (tile.row0 + r) / group, head = kvh * group + (tile.row0 + r) % group;
+      T* o = out + (token * g.num_heads + head) * head_dim;
+      const float inv = 1.f / l_f[r];
+      for (int64_t d = 0; d < head_dim; ++d) o[d] = T(ot_f[d * kRows + r] * inv);
+    }
   }
 }
 
@@ -180,30 +236,33 @@ void prefill_attention_impl(const T* q, const T* k_cache, const T* v_cache, cons
                             const int64_t* context_lens, const int64_t* query_starts, int64_t first_seq,
                             int64_t num_seqs, T* out, const PagedGeometry& g) {
   const int64_t group = g.group();
-  // Work items (seq, kv head, tile), the costliest (last) tiles of each chunk first for an even split.
+  // Work items (seq, kv head, first row), the costliest (last) rows of each chunk first for an even split. The
+  // grouping of tiles into items changes no result: each tile reads the same keys in the same steps.
+  int64_t num_tiles = 0;
+  for (int64_t seq = first_seq; seq < num_seqs; ++seq)
+    num_tiles += ((query_starts[seq + 1] - query_starts[seq]) * group + kRows - 1) / kRows * g.num_kv_heads;
+  const int64_t tiles_per_item = std::clamp<int64_t>(
+      num_tiles / (kItemsPerThread * at::get_num_threads()), 1, kMaxTilesPerItem);
+  const int64_t item_rows = tiles_per_item * kRows;
   struct Item { int64_t seq, kvh, row0; };
   std::vector<Item> items;
   for (int64_t seq = first_seq; seq < num_seqs; ++seq) {
     const int64_t rows = (query_starts[seq + 1] - query_starts[seq]) * group;
-    for (int64_t row0 = (rows - 1) / kRows * kRows; row0 >= 0; row0 -= kRows)
+    for (int64_t row0 = (rows - 1) / item_rows * item_rows; row0 >= 0; row0 -= item_rows)
       for (int64_t kvh = 0; kvh < g.num_kv_heads; ++kvh) items.push_back({seq, kvh, row0});
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t step_keys = std::max<int64_t>(1, kStepKeys / g.block_size) * g.block_size;
-  struct Scratch {
-    std::vector<Vec> tile;
-    std::vector<float> kv_buffer;
-  };
   loom::for_each_item(
       num_items,
-      [&] { return Scratch{std::vector<Vec>((2 * g.head_dim + step_keys) * kVecs),
-                           std::vector<float>(2 * step_keys * g.head_dim)}; },
+      [&] { return Scratch{std::vector<Vec>(tiles_per_item * 2 * g.head_dim * kVecs),
+                           std::vector<Vec>(step_keys * kVecs), std::vector<float>(2 * step_keys * g.head_dim)}; },
       [&](int64_t i, Scratch& scratch) {
         const Item& it = items[i];
         const int64_t start = query_starts[it.seq];
-        attend_tile(q + start * g.q_row_stride, k_cache, v_cache, block_tables + it.seq * g.max_blocks,
-                    query_starts[it.seq + 1] - start, context_lens[it.seq], it.kvh, it.row0,
-                    out + start * g.num_heads * g.head_dim, g, scratch.tile, scratch.kv_buffer);
+        attend_tiles(q + start * g.q_row_stride, k_cache, v_cache, block_tables + it.seq * g.max_blocks,
+                     query_starts[it.seq + 1] - start, context_lens[it.seq], it.kvh, it.row0, tiles_per_item,
+                     out + start * g.num_heads * g.head_dim, g, scratch);
       });
 }
 
