@@ -40,12 +40,6 @@ using loom::widen;
 
 inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
-// The KV heads [first, last) of one sequence: a decode work item.
-struct HeadRange {
-  int64_t first, last;
-  int64_t count() const { return last - first; }
-};
-
 constexpr int64_t kAhead = 2;  // blocks a RowWalker prefetches ahead
 
 // Asks for one cache line at the start of [p, p + bytes) and at each 4 KiB page boundary inside it: enough for the
@@ -60,18 +54,17 @@ inline void start_streams(const void* p, int64_t bytes) {
     __builtin_prefetch(page);
 }
 
-// Walks one sequence's K or V rows (the part of each token's row that holds the heads of a HeadRange) in token
-// order, the order they lie in within a block, which the hardware prefetchers follow. The next blocks lie anywhere
-// in the cache, so while row j of a block is read, row j of the block kAhead on is prefetched (2 blocks ahead: 64 x
-// 512 tokens 1.52 -> 1.41 ms a layer against 1 block ahead). R == T: rows are read in place (heads head_dim apart);
-// R == float for a head size of part vectors: rows are copied, widened, into the caller's buffer, each head's part
-// zero-padded to padded_dim().
+// Walks one sequence's K or V rows (each token's whole row, all KV heads) in token order, the order they lie in
+// within a block, which the hardware prefetchers follow. The next blocks lie anywhere in the cache, so while row j of
+// a block is read, row j of the block kAhead on is prefetched (2 blocks ahead: 64 x 512 tokens 1.52 -> 1.41 ms a
+// layer against 1 block ahead). R == T: rows are read in place (heads head_dim apart); R == float for a head size
+// of part vectors: rows are copied, widened, into the caller's buffer, each head's part zero-padded to padded_dim().
 template <typename T, typename R>
 class RowWalker {
  public:
   // Rows from token `begin` on, of a context of `len` tokens.
-  RowWalker(const T* cache, const int64_t* table, int64_t begin, int64_t len, HeadRange heads, const PagedGeometry& g)
-      : cache_(cache + heads.first * g.head_dim), table_(table), len_(len), heads_(heads.count()), g_(g),
+  RowWalker(const T* cache, const int64_t* table, int64_t begin, int64_t len, const PagedGeometry& g)
+      : cache_(cache), table_(table), len_(len), heads_(g.num_kv_heads), g_(g),
         block_(begin / g.block_size), offset_(begin % g.block_size) {}
 
   const R* next(float* buffer) {
@@ -167,9 +160,9 @@ inline void softmax_scores(float* scores, int64_t num_q, int64_t len, int64_t pa
 // Tokens [begin, end) of a context of `context` tokens: the whole context goes to `out`, a chunk to `partial`.
 template <typename T, typename R, int64_t VECS>
 void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t begin,
-                   int64_t end, int64_t context, HeadRange heads, T* out, const Partial* partial,
+                   int64_t end, int64_t context, T* out, const Partial* partial,
                    const PagedGeometry& g, DecodeScratch& scratch) {
-  const int64_t group = g.group(), num_q = heads.count() * group;
+  const int64_t group = g.group(), num_q = g.num_kv_heads * group;
   const int64_t len = end - begin;
   const int64_t vecs = VECS > 0 ? VECS : g.padded_dim() / kLanes;
   const int64_t padded_len = round_up(len, kLanes);
@@ -179,14 +172,13 @@ void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
   Vec* dots = scratch.dots.data();
   float* scores = scratch.scores.data();  // local query head h's scores at scores[h * padded_len ...]
   float* inv_sum = scratch.inv_sum.data();
-  const T* q_first = q + heads.first * group * g.head_dim;
   for (int64_t h = 0; h < num_q; ++h) {
     float* qf = reinterpret_cast<float*>(qv + h * vecs);
     for (int64_t d = 0; d < g.padded_dim(); ++d)
-      qf[d] = d < g.head_dim ? widen(q_first[h * g.head_dim + d]) * g.scale : 0.f;
+      qf[d] = d < g.head_dim ? widen(q[h * g.head_dim + d]) * g.scale : 0.f;
   }
 
-  RowWalker<T, R> keys(k_cache, table, begin, context, heads, g);
+  RowWalker<T, R> keys(k_cache, table, begin, context, g);
   Vec part[kMaxHeadVecs];
   for (int64_t t0 = 0; t0 < padded_len; t0 += kLanes) {
     for (int t = 0; t < kLanes; ++t) {
@@ -195,7 +187,7 @@ void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
         continue;
       }
       const R* row = keys.next(scratch.row.data());
-      for (int64_t kv = 0; kv < heads.count(); ++kv) {
+      for (int64_t kv = 0; kv < g.num_kv_heads; ++kv) {
 #pragma GCC unroll 16
         for (int64_t v = 0; v < vecs; ++v) part[v] = load(row + kv * head_stride + v * kLanes);
         for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
@@ -215,11 +207,11 @@ void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
 
   softmax_scores(scores, num_q, len, padded_len, partial, inv_sum);
 
-  RowWalker<T, R> values(v_cache, table, begin, context, heads, g);
+  RowWalker<T, R> values(v_cache, table, begin, context, g);
   std::fill(acc, acc + num_q * vecs, Vec{});
   for (int64_t t = 0; t < len; ++t) {
     const R* row = values.next(scratch.row.data());
-    for (int64_t kv = 0; kv < heads.count(); ++kv) {
+    for (int64_t kv = 0; kv < g.num_kv_heads; ++kv) {
 #pragma GCC unroll 16
       for (int64_t v = 0; v < vecs; ++v) part[v] = load(row + kv * head_stride + v * kLanes);
       for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
@@ -230,13 +222,12 @@ void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
       }
     }
   }
-  T* out_first = out + heads.first * group * g.head_dim;
   for (int64_t h = 0; h < num_q; ++h) {
     const float* a = reinterpret_cast<const float*>(acc + h * vecs);
     if (partial) {
       std::copy(a, a + g.head_dim, partial->acc + h * g.head_dim);
     } else {
-      for (int64_t d = 0; d < g.head_dim; ++d) out_first[h * g.head_dim + d] = T(a[d] * inv_sum[h]);
+      for (int64_t d = 0; d < g.head_dim; ++d) out[h * g.head_dim + d] = T(a[d] * inv_sum[h]);
     }
   }
 }
@@ -247,15 +238,15 @@ void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
 // with no widening of the keys; the scale is applied to the sum. Each query head's scores of eight tokens are summed
 // across lanes together (vec.h). scores[h * padded_len + t] for local query head h and token begin + t.
 template <int KD, int GROUP>
-void bf16_scores_by_vectors(const c10::BFloat16* q_first, const c10::BFloat16* k_cache, const int64_t* table,
-                            int64_t begin, int64_t end, int64_t context, HeadRange heads, const PagedGeometry& g,
+void bf16_scores_by_vectors(const c10::BFloat16* q, const c10::BFloat16* k_cache, const int64_t* table,
+                            int64_t begin, int64_t end, int64_t context, const PagedGeometry& g,
                             DecodeScratch& scratch) {
   using bf16 = c10::BFloat16;
   constexpr int64_t kDim = 32 * KD;
-  const int64_t num_q = heads.count() * GROUP, len = end - begin, padded_len = round_up(len, kLanes);
+  const int64_t num_q = g.num_kv_heads * GROUP, len = end - begin, padded_len = round_up(len, kLanes);
   Vec* dots = scratch.dots.data();
   float* scores = scratch.scores.data();
-  RowWalker<bf16, bf16> keys(k_cache, table, begin, context, heads, g);
+  RowWalker<bf16, bf16> keys(k_cache, table, begin, context, g);
   for (int64_t t0 = 0; t0 < padded_len; t0 += kLanes) {
     for (int t = 0; t < kLanes; ++t) {
       if (t0 + t >= len) {  // past the context (masked by softmax_scores)
@@ -263,11 +254,11 @@ void bf16_scores_by_vectors(const c10::BFloat16* q_first, const c10::BFloat16* k
         continue;
       }
       const bf16* row = keys.next(nullptr);
-      for (int64_t kv = 0; kv < heads.count(); ++kv) {
+      for (int64_t kv = 0; kv < g.num_kv_heads; ++kv) {
         __m512bh k[KD];
         for (int v = 0; v < KD; ++v) k[v] = (__m512bh)_mm512_loadu_si512(row + kv * kDim + v * 32);
         for (int h = 0; h < GROUP; ++h) {
-          const bf16* qh = q_first + (kv * GROUP + h) * kDim;
+          const bf16* qh = q + (kv * GROUP + h) * kDim;
           __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(qh), k[0]);
           for (int v = 1; v < KD; ++v) dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(qh + v * 32), k[v]);
           const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(dot), _mm512_extractf32x8_ps(dot, 1));
@@ -296,12 +287,12 @@ constexpr int64_t kTileTokens = 16;  // keys in one AMX tile: its 16 rows
 // sequences x 512 tokens from memory (30 layers' caches) 1.63-1.73 -> 1.48-1.51 ms a layer, 64 x 256 0.81-0.86 ->
 // 0.70-0.72, 4 x 512 in L2 on one thread 0.085-0.092 -> 0.063.
 template <int KD, int GROUP>
-void bf16_scores_by_tiles(const c10::BFloat16* q_first, const c10::BFloat16* k_cache, const int64_t* table,
-                          int64_t begin, int64_t end, int64_t context, HeadRange heads, const PagedGeometry& g,
+void bf16_scores_by_tiles(const c10::BFloat16* q, const c10::BFloat16* k_cache, const int64_t* table,
+                          int64_t begin, int64_t end, int64_t context, const PagedGeometry& g,
                           DecodeScratch& scratch) {
   using bf16 = c10::BFloat16;
   constexpr int64_t kDim = 32 * KD, kAheadTiles = 2;
-  const int64_t num_kv = heads.count(), len = end - begin, padded_len = round_up(len, kLanes);
+  const int64_t num_kv = g.num_kv_heads, len = end - begin, padded_len = round_up(len, kLanes);
   loom::amx::TileConfig config;
   // Tile 0: the 16 x GROUP sums; 1: 16 keys' 32 values; 2: the query heads' 16 pairs (the _tile_ intrinsics take
   // literal tile numbers).
@@ -317,12 +308,11 @@ void bf16_scores_by_tiles(const c10::BFloat16* q_first, const c10::BFloat16* k_c
         for (int n = 0; n < GROUP; ++n)
           for (int j = 0; j < 2; ++j)
             query_tiles[(((kv * KD + c) * 16 + i) * GROUP + n) * 2 + j] =
-                q_first[(kv * GROUP + n) * kDim + c * 32 + 2 * i + j];
+                q[(kv * GROUP + n) * kDim + c * 32 + 2 * i + j];
   const int64_t block_elems = g.block_size * g.row_size, stride_bytes = g.row_size * 2;
   const int64_t fetch_bytes = num_kv * kDim * 2;
-  auto keys_at = [&](int64_t token) {  // the item's first KV head in the cache row of `token`
-    return k_cache + table[token / g.block_size] * block_elems + token % g.block_size * g.row_size +
-           heads.first * kDim;
+  auto keys_at = [&](int64_t token) {  // the cache row of `token`
+    return k_cache + table[token / g.block_size] * block_elems + token % g.block_size * g.row_size;
   };
   float* sums = scratch.tile_sums.data();  // [tile][KV head][token][GROUP]
   for (int64_t t0 = begin; t0 < end; t0 += kTileTokens) {
@@ -371,14 +361,13 @@ void bf16_scores_by_tiles(const c10::BFloat16* q_first, const c10::BFloat16* k_c
 // scores, prefetching 4 blocks ahead.
 template <int KD, int GROUP>
 void attend_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
-                        const int64_t* table, int64_t begin, int64_t end, int64_t context, HeadRange heads,
+                        const int64_t* table, int64_t begin, int64_t end, int64_t context,
                         c10::BFloat16* out, const Partial* partial, const PagedGeometry& g, DecodeScratch& scratch) {
   using bf16 = c10::BFloat16;
   constexpr int64_t kDim = 32 * KD;
-  const int64_t num_q = heads.count() * GROUP, len = end - begin, padded_len = round_up(len, kLanes);
+  const int64_t num_q = g.num_kv_heads * GROUP, len = end - begin, padded_len = round_up(len, kLanes);
   float* scores = scratch.scores.data();
   float* inv_sum = scratch.inv_sum.data();
-  const bf16* q_first = q + heads.first * GROUP * kDim;
   // The values' first kAhead blocks, which their walk below does not prefetch, are asked for now, to L2, so they
   // arrive while the scores are computed. Alternating processes, medians of 9 passes over 30 layers' caches: 64
   // sequences x 64 tokens 0.185-0.192 -> 0.163-0.173 ms a layer, 64 x 128 0.380-0.388 -> 0.360-0.368, 48 x 300
@@ -386,24 +375,23 @@ void attend_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
   const int64_t block_elems = g.block_size * g.row_size;
   for (int64_t b = begin / g.block_size; b < std::min(begin / g.block_size + kAhead, (end - 1) / g.block_size + 1);
        ++b) {
-    const char* rows = reinterpret_cast<const char*>(v_cache + table[b] * block_elems + heads.first * kDim);
+    const char* rows = reinterpret_cast<const char*>(v_cache + table[b] * block_elems);
     for (int64_t r = 0; r < g.block_size; ++r)
-      for (int64_t x = 0; x < heads.count() * kDim * 2; x += 64)
+      for (int64_t x = 0; x < g.num_kv_heads * kDim * 2; x += 64)
         _mm_prefetch(rows + r * g.row_size * 2 + x, _MM_HINT_T2);
   }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (g.block_size % kTileTokens == 0 && loom::amx::request_amx())
-    bf16_scores_by_tiles<KD, GROUP>(q_first, k_cache, table, begin, end, context, heads, g, scratch);
+    bf16_scores_by_tiles<KD, GROUP>(q, k_cache, table, begin, end, context, g, scratch);
   else
 #endif
-    bf16_scores_by_vectors<KD, GROUP>(q_first, k_cache, table, begin, end, context, heads, g, scratch);
+    bf16_scores_by_vectors<KD, GROUP>(q, k_cache, table, begin, end, context, g, scratch);
 
   softmax_scores(scores, num_q, len, padded_len, partial, inv_sum);
 
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-  bf16* out_first = out + heads.first * GROUP * kDim;
-  for (int64_t kv = 0; kv < heads.count(); ++kv) {
-    const bf16* head_cache = v_cache + (heads.first + kv) * kDim;
+  for (int64_t kv = 0; kv < g.num_kv_heads; ++kv) {
+    const bf16* head_cache = v_cache + kv * kDim;
     __m512 acc[GROUP][2 * KD];  // [h][2u]: the even values of vector u, [h][2u + 1] the odd ones
     for (int h = 0; h < GROUP; ++h)
       for (int u = 0; u < 2 * KD; ++u) acc[h][u] = _mm512_setzero_ps();
@@ -447,7 +435,7 @@ void attend_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
         std::copy(sums, sums + kDim, partial->acc + local * kDim);
       } else {
         const Vec inv = splat(inv_sum[local]);
-        for (int64_t d = 0; d < kDim; d += kLanes) loom::store(out_first + local * kDim + d, load(sums + d) * inv);
+        for (int64_t d = 0; d < kDim; d += kLanes) loom::store(out + local * kDim + d, load(sums + d) * inv);
       }
     }
   }
@@ -475,7 +463,7 @@ inline void load_bf16_pairs(const c10::BFloat16* p, Vec& even, Vec& odd) {
 // torch's index_select of the same blocks reads them at the same rate there, 11.6 GB/s.
 template <int KD, int GROUP>
 void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
-                             const int64_t* table, int64_t begin, int64_t end, int64_t context, HeadRange heads,
+                             const int64_t* table, int64_t begin, int64_t end, int64_t context,
                              c10::BFloat16* out, const Partial* partial, const PagedGeometry& g,
                              DecodeScratch& scratch) {
   using bf16 = c10::BFloat16;
@@ -483,21 +471,20 @@ void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cach
   // Units a values pass: accumulators, values, a probability and the mask in 16 registers up to GROUP 6 (two units
   // at GROUP 3 spilled an accumulator to the stack, a store and reload each token: 16 x 512 in L3 0.44 -> 0.33 ms).
   constexpr int kSlice = GROUP <= 2 ? std::min(KD, 2) : 1;
-  const int64_t num_kv = heads.count(), num_q = num_kv * GROUP, len = end - begin, padded_len = round_up(len, kLanes);
+  const int64_t num_kv = g.num_kv_heads, num_q = num_kv * GROUP, len = end - begin, padded_len = round_up(len, kLanes);
   float* scores = scratch.scores.data();
   float* inv_sum = scratch.inv_sum.data();
   Vec* dots = scratch.dots.data();
-  const bf16* q_first = q + heads.first * GROUP * kDim;
   Vec* qs = scratch.q.data();  // [local head][2 KD]: each unit's even values, then its odd ones, scaled
   for (int64_t h = 0; h < num_q; ++h)
     for (int u = 0; u < KD; ++u) {
-      load_bf16_pairs(q_first + h * kDim + 16 * u, qs[h * 2 * KD + 2 * u], qs[h * 2 * KD + 2 * u + 1]);
+      load_bf16_pairs(q + h * kDim + 16 * u, qs[h * 2 * KD + 2 * u], qs[h * 2 * KD + 2 * u + 1]);
       qs[h * 2 * KD + 2 * u] *= g.scale;
       qs[h * 2 * KD + 2 * u + 1] *= g.scale;
     }
 
   const int64_t block_elems = g.block_size * g.row_size;
-  RowWalker<bf16, bf16> keys(k_cache, table, begin, context, heads, g);
+  RowWalker<bf16, bf16> keys(k_cache, table, begin, context, g);
   for (int64_t t0 = 0; t0 < padded_len; t0 += kLanes) {
     for (int t = 0; t < kLanes; ++t) {
       if (t0 + t >= len) {  // past the context (masked by softmax_scores)
@@ -507,7 +494,7 @@ void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cach
       const bf16* row = keys.next(nullptr);
       const int64_t token = begin + t0 + t;
       const char* values_row = reinterpret_cast<const char*>(v_cache + table[token / g.block_size] * block_elems +
-                                                             token % g.block_size * g.row_size + heads.first * kDim);
+                                                             token % g.block_size * g.row_size);
       for (int64_t b = 0; b < num_kv * kDim * 2; b += 64) __builtin_prefetch(values_row + b);
       for (int64_t kv = 0; kv < num_kv; ++kv) {
         Vec k[2 * KD];
@@ -528,9 +515,8 @@ void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cach
 
   softmax_scores(scores, num_q, len, padded_len, partial, inv_sum);
 
-  bf16* out_first = out + heads.first * GROUP * kDim;
   for (int64_t kv = 0; kv < num_kv; ++kv) {
-    const bf16* head_cache = v_cache + (heads.first + kv) * kDim;
+    const bf16* head_cache = v_cache + kv * kDim;
     const float* p_first = scores + kv * GROUP * padded_len;
     for (int u0 = 0; u0 < KD; u0 += kSlice) {
       Vec acc[GROUP][2 * kSlice] = {};
@@ -564,8 +550,8 @@ void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cach
             loom::store(partial->acc + d, first);
             loom::store(partial->acc + d + kLanes, second);
           } else {
-            loom::store(out_first + d, first * inv_sum[local]);
-            loom::store(out_first + d + kLanes, second * inv_sum[local]);
+            loom::store(out + d, first * inv_sum[local]);
+            loom::store(out + d + kLanes, second * inv_sum[local]);
           }
         }
       }
@@ -579,7 +565,7 @@ void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cach
 // alone.
 #if defined(__AVX512BF16__) || defined(__AVX2__)
 using Bf16Decode = void (*)(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, const int64_t*, int64_t,
-                           int64_t, int64_t, HeadRange, c10::BFloat16*, const Partial*, const PagedGeometry&,
+                           int64_t, int64_t, c10::BFloat16*, const Partial*, const PagedGeometry&,
                            DecodeScratch&);
 #if defined(__AVX512BF16__)
 constexpr int64_t kBf16Unit = 32;
@@ -641,7 +627,6 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
   struct Item {
     int64_t seq, begin, end, chunk;  // chunk: its index among all chunks of chunked sequences, or -1
   };
-  const HeadRange all_heads{0, g.num_kv_heads};
   std::vector<Item> items;
   std::vector<int64_t> first_chunk(num_seqs, -1);  // a chunked sequence's first chunk index
   int64_t num_chunks = 0;
@@ -683,7 +668,7 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
           partial = {chunk_acc.data() + first * g.head_dim, chunk_max.data() + first, chunk_sum.data() + first};
         }
         attend(q + it.seq * g.q_row_stride, k_cache, v_cache, block_tables + it.seq * g.max_blocks,
-               it.begin, it.end, context_lens[it.seq], all_heads, out + it.seq * g.num_heads * g.head_dim,
+               it.begin, it.end, context_lens[it.seq], out + it.seq * g.num_heads * g.head_dim,
                it.chunk < 0 ? nullptr : &partial, g, scratch);
       });
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
