@@ -66,11 +66,12 @@ def test_kernel_matches_obvious_attention(kernel, dtype, heads, kv_heads, head_d
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_contexts_are_chunked_with_the_same_bits_in_any_batch(kernel, dtype):
-    """Contexts past 256 tokens are attended in chunks merged at the end (so one long sequence keeps every thread
-    busy); the chunks depend on the length alone, so a sequence gets the same bits alone and in a batch of 20."""
+    """Long contexts are attended in chunks merged at the end (so one long sequence keeps every thread busy: 256
+    or 512 tokens, by the build's vector width); the chunks depend on the length alone, so a sequence gets the same
+    bits alone and in a batch of 20."""
     gen = torch.Generator().manual_seed(1)
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
-    lens = torch.tensor([513, 600, 256, 1100, 5, 1024, 300, 1, 257, 1537] * 2)  # 1-7 chunks of 256
+    lens = torch.tensor([513, 600, 256, 1100, 5, 1024, 300, 1, 257, 1537] * 2)  # 1-7 chunks of 256, 1-4 of 512
     seqs, max_blocks = len(lens), 1537 // block_size + 2
     num_blocks = seqs * max_blocks + 1
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)

@@ -1,10 +1,10 @@
 // Decode attention straight from the paged KV cache: one query token per sequence, every sequence of the step in
-// one call. A work item is a sequence, all its KV heads (a context longer than 256 tokens goes in chunks of 256,
-// merged at the end): its keys and values are read once each, through the block table, row after row in token
-// order, for all query heads. Each KV head's part of a row is loaded into registers once for the
-// query heads of its GQA group, bfloat16 widened as it is loaded; nothing is gathered into a temporary. Scores: each
-// head's dot products of eight tokens are summed across lanes together (one transpose, vec.h) instead of one
-// horizontal sum per token and head; bfloat16 scores on AMX where the CPU has it (bf16_scores_by_tiles), and a
+// one call. A work item is a sequence, all its KV heads (a long context goes in chunks of kChunkTokens, merged at
+// the end): its keys and values are read once each, through the block table, row after row in token order, for all
+// query heads. Each KV head's part of a row is loaded into registers once for the query heads of its GQA group,
+// bfloat16 widened as it is loaded; nothing is gathered into a temporary. Scores: each head's dot products of eight
+// tokens are summed across lanes together (one transpose, vec.h) instead of one horizontal sum per token and head;
+// bfloat16 scores on AMX where the CPU has it (bf16_scores_by_tiles), and a
 // bfloat16 path of its own on CPUs with AVX2 alone (attend_decode_bf16_avx2). Math in float32.
 //
 // Tried and slower here: computing eight rows at a time straight from the cache (the interleaved reads lost the
@@ -21,8 +21,10 @@
 #include "vec.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -62,15 +64,16 @@ inline void start_streams(const void* p, int64_t bytes) {
 template <typename T, typename R>
 class RowWalker {
  public:
-  // Rows from token `begin` on, of a context of `len` tokens.
-  RowWalker(const T* cache, const int64_t* table, int64_t begin, int64_t len, const PagedGeometry& g)
-      : cache_(cache), table_(table), len_(len), heads_(g.num_kv_heads), g_(g),
+  // Rows [begin, end) of a sequence. Blocks ahead are prefetched only within them: rows past `end` belong to
+  // another item (the next chunk), which another thread may read.
+  RowWalker(const T* cache, const int64_t* table, int64_t begin, int64_t end, const PagedGeometry& g)
+      : cache_(cache), table_(table), end_(end), heads_(g.num_kv_heads), g_(g),
         block_(begin / g.block_size), offset_(begin % g.block_size) {}
 
   const R* next(float* buffer) {
     const int64_t block_elems = g_.block_size * g_.row_size;
     const T* row = cache_ + table_[block_] * block_elems + offset_ * g_.row_size;
-    if ((block_ + kAhead) * g_.block_size < len_) {
+    if ((block_ + kAhead) * g_.block_size < end_) {
       const T* ahead = cache_ + table_[block_ + kAhead] * block_elems + offset_ * g_.row_size;
       const int64_t bytes = heads_ * g_.head_dim * static_cast<int64_t>(sizeof(T));
       for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(ahead) + b);
@@ -90,14 +93,23 @@ class RowWalker {
  private:
   const T* cache_;
   const int64_t* table_;
-  int64_t len_, heads_;
+  int64_t end_, heads_;
   const PagedGeometry& g_;
   int64_t block_, offset_;
 };
 
 constexpr int64_t kMaxHeadVecs = 32;  // head sizes up to 256
-// Contexts longer than this are attended in chunks of it (see decode_attention_impl), for every batch alike.
+// Contexts longer than this are attended in chunks of it (see decode_attention_impl), for every batch alike. Short
+// chunks let one long sequence use every thread; each chunk costs a merge and a cold start of its streams. Where
+// the build has AVX-512, 512 (on the Xeon with AMX, alternating processes against 256: 64 sequences x 300 tokens
+// 0.96-1.01 -> 0.87-0.88 ms a layer, 64 x 512 1.52-1.55 -> 1.47-1.49, 1 x 512 0.016-0.018 -> 0.022-0.025; the mixed
+// run 1017 / 1057 / 1076 -> 1019 / 1086 / 1118 tok/s); with AVX2 alone, 256 (measured on an AMD EPYC at batch 1
+// only, see decode_attention_impl).
+#if defined(__AVX512F__)
+constexpr int64_t kChunkTokens = 512;
+#else
 constexpr int64_t kChunkTokens = 256;
+#endif
 
 // A chunk's results before the merge, for each query head of its item: the value sums, unnormalized
 // ([head][head_dim]), the chunk's maximum score and its sum of exp(score - maximum).
@@ -157,10 +169,10 @@ inline void softmax_scores(float* scores, int64_t num_q, int64_t len, int64_t pa
 // for the query heads of its group, and each head's dot products of eight tokens are summed across lanes together
 // (one transpose instead of eight horizontal sums). Then the softmax, then values token by token, again loaded
 // once per group. VECS > 0 fixes the vectors per head at compile time, so their loops unroll into registers.
-// Tokens [begin, end) of a context of `context` tokens: the whole context goes to `out`, a chunk to `partial`.
+// Tokens [begin, end) of the sequence: its whole context goes to `out`, a chunk to `partial`.
 template <typename T, typename R, int64_t VECS>
 void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t begin,
-                   int64_t end, int64_t context, T* out, const Partial* partial,
+                   int64_t end, T* out, const Partial* partial,
                    const PagedGeometry& g, DecodeScratch& scratch) {
   const int64_t group = g.group(), num_q = g.num_kv_heads * group;
   const int64_t len = end - begin;
@@ -178,7 +190,7 @@ void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
       qf[d] = d < g.head_dim ? widen(q[h * g.head_dim + d]) * g.scale : 0.f;
   }
 
-  RowWalker<T, R> keys(k_cache, table, begin, context, g);
+  RowWalker<T, R> keys(k_cache, table, begin, end, g);
   Vec part[kMaxHeadVecs];
   for (int64_t t0 = 0; t0 < padded_len; t0 += kLanes) {
     for (int t = 0; t < kLanes; ++t) {
@@ -207,7 +219,7 @@ void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
 
   softmax_scores(scores, num_q, len, padded_len, partial, inv_sum);
 
-  RowWalker<T, R> values(v_cache, table, begin, context, g);
+  RowWalker<T, R> values(v_cache, table, begin, end, g);
   std::fill(acc, acc + num_q * vecs, Vec{});
   for (int64_t t = 0; t < len; ++t) {
     const R* row = values.next(scratch.row.data());
@@ -239,14 +251,14 @@ void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
 // across lanes together (vec.h). scores[h * padded_len + t] for local query head h and token begin + t.
 template <int KD, int GROUP>
 void bf16_scores_by_vectors(const c10::BFloat16* q, const c10::BFloat16* k_cache, const int64_t* table,
-                            int64_t begin, int64_t end, int64_t context, const PagedGeometry& g,
+                            int64_t begin, int64_t end, const PagedGeometry& g,
                             DecodeScratch& scratch) {
   using bf16 = c10::BFloat16;
   constexpr int64_t kDim = 32 * KD;
   const int64_t num_q = g.num_kv_heads * GROUP, len = end - begin, padded_len = round_up(len, kLanes);
   Vec* dots = scratch.dots.data();
   float* scores = scratch.scores.data();
-  RowWalker<bf16, bf16> keys(k_cache, table, begin, context, g);
+  RowWalker<bf16, bf16> keys(k_cache, table, begin, end, g);
   for (int64_t t0 = 0; t0 < padded_len; t0 += kLanes) {
     for (int t = 0; t < kLanes; ++t) {
       if (t0 + t >= len) {  // past the context (masked by softmax_scores)
@@ -288,7 +300,7 @@ constexpr int64_t kTileTokens = 16;  // keys in one AMX tile: its 16 rows
 // 0.70-0.72, 4 x 512 in L2 on one thread 0.085-0.092 -> 0.063.
 template <int KD, int GROUP>
 void bf16_scores_by_tiles(const c10::BFloat16* q, const c10::BFloat16* k_cache, const int64_t* table,
-                          int64_t begin, int64_t end, int64_t context, const PagedGeometry& g,
+                          int64_t begin, int64_t end, const PagedGeometry& g,
                           DecodeScratch& scratch) {
   using bf16 = c10::BFloat16;
   constexpr int64_t kDim = 32 * KD, kAheadTiles = 2;
@@ -315,9 +327,11 @@ void bf16_scores_by_tiles(const c10::BFloat16* q, const c10::BFloat16* k_cache, 
     return k_cache + table[token / g.block_size] * block_elems + token % g.block_size * g.row_size;
   };
   float* sums = scratch.tile_sums.data();  // [tile][KV head][token][GROUP]
+  for (int64_t t0 = begin; t0 < std::min(end, begin + kAheadTiles * kTileTokens); t0 += kTileTokens)
+    start_streams(keys_at(t0), (std::min(kTileTokens, end - t0) - 1) * stride_bytes + fetch_bytes);
   for (int64_t t0 = begin; t0 < end; t0 += kTileTokens) {
     const bf16* keys = keys_at(t0);
-    if (t0 + kAheadTiles * kTileTokens < context) {
+    if (t0 + kAheadTiles * kTileTokens < end) {
       start_streams(keys_at(t0 + kAheadTiles * kTileTokens), (kTileTokens - 1) * stride_bytes + fetch_bytes);
     }
     float* tile_sums = sums + (t0 - begin) / kTileTokens * num_kv * kTileTokens * GROUP;
@@ -332,7 +346,7 @@ void bf16_scores_by_tiles(const c10::BFloat16* q, const c10::BFloat16* k_cache, 
     }
   }
   _tile_release();
-  // Rows past the context (the rest of the last tile) hold whatever the cache held there: never stored.
+  // Rows past the item (the rest of its last tile) hold whatever the cache held there: never stored.
   float* scores = scratch.scores.data();
   const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32(GROUP));
@@ -361,7 +375,7 @@ void bf16_scores_by_tiles(const c10::BFloat16* q, const c10::BFloat16* k_cache, 
 // scores, prefetching 4 blocks ahead.
 template <int KD, int GROUP>
 void attend_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
-                        const int64_t* table, int64_t begin, int64_t end, int64_t context,
+                        const int64_t* table, int64_t begin, int64_t end,
                         c10::BFloat16* out, const Partial* partial, const PagedGeometry& g, DecodeScratch& scratch) {
   using bf16 = c10::BFloat16;
   constexpr int64_t kDim = 32 * KD;
@@ -382,10 +396,10 @@ void attend_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
   }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (g.block_size % kTileTokens == 0 && loom::amx::request_amx())
-    bf16_scores_by_tiles<KD, GROUP>(q, k_cache, table, begin, end, context, g, scratch);
+    bf16_scores_by_tiles<KD, GROUP>(q, k_cache, table, begin, end, g, scratch);
   else
 #endif
-    bf16_scores_by_vectors<KD, GROUP>(q, k_cache, table, begin, end, context, g, scratch);
+    bf16_scores_by_vectors<KD, GROUP>(q, k_cache, table, begin, end, g, scratch);
 
   softmax_scores(scores, num_q, len, padded_len, partial, inv_sum);
 
@@ -401,7 +415,7 @@ void attend_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
       const int64_t rows = std::min(g.block_size - offset, end - t0);
       const bf16* rows_at = head_cache + table[block] * block_elems;
       // While row r of this block is read, row r of the block kAhead on is prefetched (see RowWalker).
-      const char* ahead = (block + kAhead) * g.block_size < context
+      const char* ahead = (block + kAhead) * g.block_size < end
                               ? reinterpret_cast<const char*>(head_cache + table[block + kAhead] * block_elems)
                               : nullptr;
       for (int64_t r = offset; r < offset + rows; ++r) {
@@ -463,7 +477,7 @@ inline void load_bf16_pairs(const c10::BFloat16* p, Vec& even, Vec& odd) {
 // torch's index_select of the same blocks reads them at the same rate there, 11.6 GB/s.
 template <int KD, int GROUP>
 void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
-                             const int64_t* table, int64_t begin, int64_t end, int64_t context,
+                             const int64_t* table, int64_t begin, int64_t end,
                              c10::BFloat16* out, const Partial* partial, const PagedGeometry& g,
                              DecodeScratch& scratch) {
   using bf16 = c10::BFloat16;
@@ -484,7 +498,7 @@ void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cach
     }
 
   const int64_t block_elems = g.block_size * g.row_size;
-  RowWalker<bf16, bf16> keys(k_cache, table, begin, context, g);
+  RowWalker<bf16, bf16> keys(k_cache, table, begin, end, g);
   for (int64_t t0 = 0; t0 < padded_len; t0 += kLanes) {
     for (int t = 0; t < kLanes; ++t) {
       if (t0 + t >= len) {  // past the context (masked by softmax_scores)
@@ -565,8 +579,7 @@ void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cach
 // alone.
 #if defined(__AVX512BF16__) || defined(__AVX2__)
 using Bf16Decode = void (*)(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, const int64_t*, int64_t,
-                           int64_t, int64_t, c10::BFloat16*, const Partial*, const PagedGeometry&,
-                           DecodeScratch&);
+                           int64_t, c10::BFloat16*, const Partial*, const PagedGeometry&, DecodeScratch&);
 #if defined(__AVX512BF16__)
 constexpr int64_t kBf16Unit = 32;
 template <int KD, int GROUP>
@@ -593,12 +606,12 @@ Bf16Decode bf16_decode_for(int64_t group) {
 template <typename T>
 void merge_chunks(const float* acc, const float* max, const float* sum, int64_t chunks, T* out,
                   const PagedGeometry& g) {
-  std::vector<float> merged(g.head_dim);
+  float merged[kMaxHeadVecs * kLanes];
   for (int64_t h = 0; h < g.num_heads; ++h) {
     float overall = max[h];
     for (int64_t c = 1; c < chunks; ++c) overall = std::max(overall, max[c * g.num_heads + h]);
     float total = 0.f;
-    std::fill(merged.begin(), merged.end(), 0.f);
+    std::fill(merged, merged + g.head_dim, 0.f);
     for (int64_t c = 0; c < chunks; ++c) {
       const float scale = std::exp(max[c * g.num_heads + h] - overall);
       total += sum[c * g.num_heads + h] * scale;
@@ -641,6 +654,11 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
                    [](const Item& a, const Item& b) { return a.end - a.begin > b.end - b.begin; });
   std::vector<float> chunk_acc(num_chunks * g.num_heads * g.head_dim), chunk_max(num_chunks * g.num_heads),
       chunk_sum(num_chunks * g.num_heads);
+  // Chunks of each chunked sequence still to attend: the thread that finishes its last one merges them, inside the
+  // parallel loop (merging after it, on one thread, took 0.04-0.08 ms a layer at 64 x 512 on the Xeon).
+  std::unique_ptr<std::atomic<int64_t>[]> chunks_left(new std::atomic<int64_t>[num_seqs]);
+  for (int64_t seq = 0; seq < num_seqs; ++seq)
+    chunks_left[seq].store((context_lens[seq] + kChunkTokens - 1) / kChunkTokens, std::memory_order_relaxed);
   // Rows in place where vec.h can load them (float32, bfloat16) as whole vectors; copied otherwise.
   auto attend = attend_decode<T, float, 0>;
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
@@ -668,16 +686,15 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
           partial = {chunk_acc.data() + first * g.head_dim, chunk_max.data() + first, chunk_sum.data() + first};
         }
         attend(q + it.seq * g.q_row_stride, k_cache, v_cache, block_tables + it.seq * g.max_blocks,
-               it.begin, it.end, context_lens[it.seq], out + it.seq * g.num_heads * g.head_dim,
+               it.begin, it.end, out + it.seq * g.num_heads * g.head_dim,
                it.chunk < 0 ? nullptr : &partial, g, scratch);
+        // acq_rel: the merging thread sees every other chunk's partials.
+        if (it.chunk < 0 || chunks_left[it.seq].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+        const int64_t c = first_chunk[it.seq];
+        merge_chunks(chunk_acc.data() + c * g.num_heads * g.head_dim, chunk_max.data() + c * g.num_heads,
+                     chunk_sum.data() + c * g.num_heads, (context_lens[it.seq] + kChunkTokens - 1) / kChunkTokens,
+                     out + it.seq * g.num_heads * g.head_dim, g);
       });
-  for (int64_t seq = 0; seq < num_seqs; ++seq) {
-    const int64_t c = first_chunk[seq];
-    if (c < 0) continue;
-    merge_chunks(chunk_acc.data() + c * g.num_heads * g.head_dim, chunk_max.data() + c * g.num_heads,
-                 chunk_sum.data() + c * g.num_heads, (context_lens[seq] + kChunkTokens - 1) / kChunkTokens,
-                 out + seq * g.num_heads * g.head_dim, g);
-  }
 }
 
 }  // namespace
