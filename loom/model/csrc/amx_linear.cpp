@@ -219,19 +219,21 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const bf1
   const int64_t group_panels = triples ? 3 : 2, group_blocks = triples ? 1 : 2;
   const int64_t blocks_per_pass = kBlockRows / kRows;
   const int64_t sub_blocks = triples ? blocks_per_pass : kSubBlocks;
-  for (int64_t b0 = 0; b0 < num_blocks; b0 += blocks_per_pass) {
-    const int64_t b1 = std::min(num_blocks, b0 + blocks_per_pass);
-    // Threads split the panel groups: each weight tile is read by one thread, once per pass over the rows.
-    at::parallel_for(0, (num_panels + group_panels - 1) / group_panels, 1, [&](int64_t q0, int64_t q1) {
-      configure_tiles();
-      // Each group's sums are rounded into y after the next group's tiles are computed, not straight after their
-      // tile stores (30 layers' matmuls at 64 rows: 12.0-12.5 -> 11.4-11.7 ms); so sums come in two sets, the
-      // sub-pass's and the one before it.
-      constexpr int64_t kTileSums = kRows * kPanel;
-      alignas(64) float sums[2][kSubPassTiles * kTileSums];
-      std::optional<TileGroup> pending;
-      const float* pending_sums = nullptr;
-      int64_t n = 0;
+  // Threads split the panel groups: each weight tile is read by one thread, once per pass over the rows. Each
+  // thread makes all the passes over its own panels, with no barrier between passes (the passes write disjoint
+  // rows of y).
+  at::parallel_for(0, (num_panels + group_panels - 1) / group_panels, 1, [&](int64_t q0, int64_t q1) {
+    configure_tiles();
+    // Each group's sums are rounded into y after the next group's tiles are computed, not straight after their
+    // tile stores (30 layers' matmuls at 64 rows: 12.0-12.5 -> 11.4-11.7 ms); so sums come in two sets, the
+    // sub-pass's and the one before it.
+    constexpr int64_t kTileSums = kRows * kPanel;
+    alignas(64) float sums[2][kSubPassTiles * kTileSums];
+    std::optional<TileGroup> pending;
+    const float* pending_sums = nullptr;
+    int64_t n = 0;
+    for (int64_t b0 = 0; b0 < num_blocks; b0 += blocks_per_pass) {
+      const int64_t b1 = std::min(num_blocks, b0 + blocks_per_pass);
       for (int64_t q = q0; q < q1; ++q) {
         const int64_t p = group_panels * q;
         const int pb = static_cast<int>(std::min(group_panels, num_panels - p));
@@ -260,10 +262,10 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const bf1
           }
         }
       }
-      if (pending) store_group(pending_sums, *pending, bias, rows, y, out_features, silu_table);
-      _tile_release();
-    });
-  }
+    }
+    if (pending) store_group(pending_sums, *pending, bias, rows, y, out_features, silu_table);
+    _tile_release();
+  });
 }
 
 // x bfloat16 [rows, in_features], tiles bfloat16 [ceil(out_features / 16), ceil(in_features / 32), 16, 32] (see
