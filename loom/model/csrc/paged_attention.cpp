@@ -301,8 +301,8 @@ constexpr int64_t kTileTokens = 16;  // keys in one AMX tile: its 16 rows
 // The same tile's value rows get their streams started too, so the values arrive in L2 while AMX works on the keys
 // (an item's values, 192 KiB at 512 tokens of SmolLM2, stay there until the value pass). Random block tables, 30
 // layers' caches, alternating processes: 64 x 512 1.57-1.64 -> 1.41-1.48 ms a layer, 48 x 300 0.678 -> 0.619-0.635;
-// 64 x 128, 1 x 512, 1 x 2048 and 8 x 1024 within the noise. Without the value walk's own prefetches (below) it
-// was slower: 1.79-1.86.
+// 64 x 128, 1 x 512, 1 x 2048 and 8 x 1024 within the noise. Without the value walk's own prefetches (below),
+// 64 x 512 took 1.79-1.86 ms.
 template <int KD, int GROUP>
 void bf16_scores_by_tiles(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                           const int64_t* table, int64_t begin, int64_t end, const PagedGeometry& g,
