@@ -332,15 +332,17 @@ void bf16_scores_by_tiles(const c10::BFloat16* q, const c10::BFloat16* k_cache, 
     return cache + table[token / g.block_size] * block_elems + token % g.block_size * g.row_size;
   };
   auto keys_at = [&](int64_t token) { return row_at(k_cache, token); };
+  // Bytes from the first row of the tile at t0 to the end of its last (the item may end inside the tile).
+  auto tile_bytes = [&](int64_t t0) { return (std::min(kTileTokens, end - t0) - 1) * stride_bytes + fetch_bytes; };
   float* sums = scratch.tile_sums.data();  // [tile][KV head][token][GROUP]
   for (int64_t t0 = begin; t0 < std::min(end, begin + kAheadTiles * kTileTokens); t0 += kTileTokens)
-    start_streams(keys_at(t0), (std::min(kTileTokens, end - t0) - 1) * stride_bytes + fetch_bytes);
+    start_streams(keys_at(t0), tile_bytes(t0));
   for (int64_t t0 = begin; t0 < end; t0 += kTileTokens) {
     const bf16* keys = keys_at(t0);
     if (t0 + kAheadTiles * kTileTokens < end) {
       start_streams(keys_at(t0 + kAheadTiles * kTileTokens), (kTileTokens - 1) * stride_bytes + fetch_bytes);
     }
-    start_streams(row_at(v_cache, t0), (std::min(kTileTokens, end - t0) - 1) * stride_bytes + fetch_bytes);
+    start_streams(row_at(v_cache, t0), tile_bytes(t0));
     float* tile_sums = sums + (t0 - begin) / kTileTokens * num_kv * kTileTokens * GROUP;
     for (int64_t kv = 0; kv < num_kv; ++kv) {
       _tile_zero(0);
