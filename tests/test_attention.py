@@ -37,6 +37,7 @@ def obvious_decode(q, k_cache, v_cache, tables, lens, scale):
         (torch.bfloat16, 9, 3, 64, 16),  # AVX-512 BF16 where the CPU has it; scores on AMX where it has that
         (torch.bfloat16, 9, 3, 64, 32),  # AMX scores: two 16-token tiles a block
         (torch.bfloat16, 9, 3, 64, 8),  # scores by vectors: blocks smaller than a tile
+        (torch.bfloat16, 9, 3, 64, 5),  # blocks that split 8-token groups (the values' walk takes their exps)
         (torch.bfloat16, 6, 2, 30, 5),  # rows widened
         (torch.bfloat16, 8, 2, 128, 16),  # 4 vectors (AMX: 4 tiles) a head, groups of 4
         (torch.bfloat16, 4, 4, 32, 4),  # one vector a head, no GQA
