@@ -354,9 +354,8 @@ void bf16_scores_by_tiles(const c10::BFloat16* q, const c10::BFloat16* k_cache, 
     start_streams(keys_at(t0), tile_bytes(t0));
   for (int64_t t0 = begin; t0 < end; t0 += kTileTokens) {
     const bf16* keys = keys_at(t0);
-    if (t0 + kAheadTiles * kTileTokens < end) {
-      start_streams(keys_at(t0 + kAheadTiles * kTileTokens), (kTileTokens - 1) * stride_bytes + fetch_bytes);
-    }
+    if (t0 + kAheadTiles * kTileTokens < end)
+      start_streams(keys_at(t0 + kAheadTiles * kTileTokens), tile_bytes(t0 + kAheadTiles * kTileTokens));
     start_streams(row_at(v_cache, t0), tile_bytes(t0));
     float* tile_sums = sums + (t0 - begin) / kTileTokens * num_kv * kTileTokens * GROUP;
     for (int64_t kv = 0; kv < num_kv; ++kv) {
