@@ -19,9 +19,9 @@ def _engine_args(p: argparse.ArgumentParser, kv_cache_gib: float, one_setting: b
     if one_setting:
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
         p.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
-                       help="gguf: run the GGUF file's Q4_0 / Q4_1 / Q8_0 weights in their blocks (C++ kernel, "
-                            "CPU; float32 keeps the same outputs); auto: so where that kernel builds, unless AMX runs "
-                            "bfloat16; none: dequantize every weight to --dtype")
+                       help="gguf: run the GGUF file's Q4_0 / Q4_1 / Q8_0 weights in their blocks (C++ kernels, "
+                            "CPU; AMX for bfloat16 where the CPU has it; the outputs of none); auto: so where a "
+                            "kernel for them builds; none: dequantize every weight to --dtype")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--long-prefill-chunk-tokens", type=int, default=32,

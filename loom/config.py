@@ -75,9 +75,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "paged" (C++ kernel) | "sdpa" | "reference" (obvious, for tests)
     # "auto" | "amx" (C++ kernel, bfloat16 on AMX-BF16 CPUs) | "packed" (C++ kernel) | "torch"; see make_matmul
     matmul_backend: str = "auto"
-    # "gguf": weights that the GGUF file stores in Q4_0 / Q4_1 / Q8_0 blocks stay in them (C++ kernel; float32 gives the
-    # same bits as "none"); "auto": so when that kernel builds, unless AMX runs the model; "none": every weight
-    # dequantized to `dtype`.
+    # "gguf": weights that the GGUF file stores in Q4_0 / Q4_1 / Q8_0 blocks stay in them (C++ kernels, on AMX tiles
+    # where AMX runs the model; the same bits as "none"); "auto": so where a kernel for them builds; "none": every
+    # weight dequantized to `dtype`.
     quantization: str = "auto"
     layer_ops: str = "auto"  # "auto" | "fused" (C++ kernel: norm, RoPE, SwiGLU) | "torch"
     num_threads: int | None = None

@@ -9,13 +9,17 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
 
 from loom import LLMEngine, SamplingParams
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.model.loader import LoadedModel, default_model_path, load_model
+from loom.model.quantized import QuantizedWeight
 
 CORPUS = [
     "The capital of France is Paris. The quick brown fox jumps over the lazy dog.",
@@ -24,6 +28,7 @@ CORPUS = [
     "Continuous batching keeps every slot busy: finished requests leave and waiting ones join at once.",
 ]
 TINY_VOCAB = 320
+GGML_TYPES = {name: GGMLQuantizationType[name.upper()] for name in ("q4_0", "q4_1", "q8_0")}
 
 
 def _train_tokenizer(path: Path) -> None:
@@ -197,3 +202,11 @@ def drive(engine: LLMEngine, workload, arrivals: list[int], check_steps: bool = 
         step += 1
     assert not violations, violations[:5]
     return done
+
+
+def random_quantized(fmt: str, out_features: int, in_features: int, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A random weight quantized by gguf's own code, and what gguf dequantizes it to."""
+    w = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32)
+    blocks = quantize(w, GGML_TYPES[fmt])
+    dense = torch.from_numpy(np.asarray(dequantize(blocks, GGML_TYPES[fmt]), dtype=np.float32))
+    return QuantizedWeight(fmt, torch.from_numpy(np.ascontiguousarray(blocks))), dense

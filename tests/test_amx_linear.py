@@ -10,8 +10,11 @@ import torch.nn.functional as F
 from loom import LLM, SamplingParams
 from loom.model.kernels import load_amx_linear
 from loom.model.layer_ops import TorchLayerOps, make_layer_ops
-from loom.model.linear import (AmxLinear, AmxSiluMulLinear, PackedLinear, QuantizedLinear, SiluMulAfter,
-                               interleave_gate_up, make_matmul, pack_amx_tiles)
+from loom.model.linear import (AmxLinear, AmxQuantizedLinear, AmxQuantizedSiluMulLinear, AmxSiluMulLinear,
+                               PackedLinear, SiluMulAfter, interleave_gate_up, make_matmul, pack_amx_tiles)
+from loom.model.quantized import concat_rows
+
+from conftest import random_quantized
 
 
 @pytest.fixture(scope="module")
@@ -137,25 +140,80 @@ def test_the_amx_epilogue_rejects_gate_and_up_in_part_panels(amx):
 
 
 def test_the_backend_takes_amx_for_bfloat16_only():
-    """'auto' runs bfloat16 models on AMX where the CPU has it (and then keeps no GGUF blocks), float32 models on the
-    other kernels; 'amx' for a float32 model is a clear error."""
+    """'auto' runs bfloat16 models on AMX where the CPU has it (GGUF blocks too, through the AMX kernel; 'none'
+    dequantizes them), float32 models on the other kernels; 'amx' for a float32 model is a clear error."""
     with pytest.raises(ValueError, match="bfloat16"):
         make_matmul("amx", "auto", torch.float32)
     assert make_matmul("auto", "auto", torch.float32).amx_kernel is None
     bf16 = make_matmul("auto", "auto", torch.bfloat16)
     if load_amx_linear() is None:
-        assert bf16.amx_kernel is None
+        assert bf16.amx_kernel is None and not bf16.amx_blocks
         with pytest.raises(RuntimeError, match="amx"):
             make_matmul("amx", "none", torch.bfloat16)
     else:
-        assert bf16.amx_kernel is not None and bf16.quantized_kernel is None
-        assert make_matmul("auto", "gguf", torch.bfloat16).quantized_kernel is not None
+        assert bf16.amx_kernel is not None and bf16.quantized_kernel is None and bf16.amx_blocks
+        assert make_matmul("auto", "gguf", torch.bfloat16).amx_blocks
+        assert not make_matmul("auto", "none", torch.bfloat16).amx_blocks
+        packed = make_matmul("packed", "gguf", torch.bfloat16)
+        assert packed.amx_kernel is None and packed.quantized_kernel is not None
+
+
+# (rows, in_features, out_features): one row, partial row blocks and panels, k beyond one 6-chunk slice (the sums
+# resumed), whole panel triples (48 and 960 outputs) and 2 x 2 groups, more rows than a 256-row pass, no rows.
+BLOCK_SHAPES = [(1, 576, 960), (3, 64, 40), (17, 224, 48), (33, 1536, 70), (64, 576, 96), (300, 96, 48),
+                (0, 64, 16)]
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize(("rows", "in_features", "out_features"), BLOCK_SHAPES)
+def test_gguf_blocks_on_amx_give_the_bits_of_their_bfloat16_weights(amx, fmt, rows, in_features, out_features):
+    """Records dequantized into tiles as the kernel goes: bit for bit AmxLinear on gguf's float32 weights rounded to
+    bfloat16 (torch's rounding), with and without a bias."""
+    quantized, dense = random_quantized(fmt, out_features, in_features, seed=rows * 1000 + out_features)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16() if rows % 2 else None
+    blocks = make_matmul("auto", "gguf", torch.bfloat16).linear(dense.bfloat16(), bias, quantized)
+    assert isinstance(blocks, AmxQuantizedLinear)
+    got = blocks(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    assert torch.equal(got, amx.linear(dense.bfloat16(), bias)(x))
+
+
+@pytest.mark.parametrize("rows", [1, 17, 64])
+def test_gguf_gate_and_up_on_amx_give_the_dense_epilogues_bits(amx, rows):
+    """SwiGLU's gate and up from GGUF blocks (their rows interleaved in 8s like the dense weights'): the bits of
+    AmxSiluMulLinear on the dequantized weights, and the product alone too."""
+    (gate_q, gate), (up_q, up) = (random_quantized("q4_1", 96, 576, seed) for seed in (1, 2))
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    silu_mul = make_layer_ops("auto").silu_mul
+    blocks = make_matmul("auto", "gguf", torch.bfloat16).silu_mul_linear(
+        gate.bfloat16(), up.bfloat16(), None, concat_rows([gate_q, up_q]), silu_mul)
+    dense = amx.silu_mul_linear(gate.bfloat16(), up.bfloat16(), None, None, silu_mul)
+    assert isinstance(blocks, AmxQuantizedSiluMulLinear) and isinstance(dense, AmxSiluMulLinear)
+    assert torch.equal(blocks(x), dense(x))
+    assert torch.equal(blocks.product(x), dense.product(x))
+
+
+def test_amx_blocks_reject_a_wrong_format_or_shape(amx):
+    quantized, dense = random_quantized("q4_1", 16, 64, seed=1)
+    blocks = make_matmul("auto", "gguf", torch.bfloat16).linear(dense.bfloat16(), None, quantized)
+    kernel = amx.amx_kernel
+    with pytest.raises(RuntimeError, match="features"):
+        blocks(torch.randn(2, 96).bfloat16())
+    with pytest.raises(RuntimeError, match="records"):
+        kernel.amx_quantized_linear(torch.randn(2, 64).bfloat16(), blocks.records, "q8_0", 16)
+    with pytest.raises(RuntimeError, match="format"):
+        kernel.amx_quantized_linear(torch.randn(2, 64).bfloat16(), blocks.records, "q4_0", 16)
+    with pytest.raises(RuntimeError, match="whole panels"):
+        kernel.amx_quantized_linear(torch.randn(2, 64).bfloat16(), blocks.records, "q4_1", 12, None, True)
 
 
 def test_smollm2_bfloat16_on_amx_is_batch_invariant(smollm2, amx):
     """The whole model in bfloat16 on AMX: each request's greedy tokens are the same alone and batched with others
     (torch's own bfloat16 matmul fails this here), and the model still answers sensibly."""
-    llm = LLM(loaded=smollm2, dtype="bfloat16", max_num_seqs=4, num_kv_blocks=64)
+    llm = LLM(loaded=smollm2, dtype="bfloat16", max_num_seqs=4, num_kv_blocks=64, quantization="none")
     model = llm.engine.runner.model
     assert isinstance(model.layers[0].qkv, AmxLinear) and isinstance(model.lm_head, AmxLinear)
     assert isinstance(model.layers[0].gate_up, AmxSiluMulLinear)
@@ -164,7 +222,12 @@ def test_smollm2_bfloat16_on_amx_is_batch_invariant(smollm2, amx):
     batched = [o.token_ids for o in llm.generate(prompts, params)]
     assert batched == [llm.generate([p], params)[0].token_ids for p in prompts]
     assert llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0))[0].text.startswith(" Paris")
-    gguf = LLM(loaded=smollm2, dtype="bfloat16", num_kv_blocks=32, quantization="gguf")
-    assert isinstance(gguf.engine.runner.model.layers[0].qkv, QuantizedLinear)
+    # The GGUF file's blocks on AMX (the default): the same tokens, from 5 bits a weight (8.5 for the head).
+    blocks = LLM(loaded=smollm2, dtype="bfloat16", max_num_seqs=4, num_kv_blocks=64)
+    model = blocks.engine.runner.model
+    assert isinstance(model.layers[0].qkv, AmxQuantizedLinear) and model.layers[0].qkv.format == "q4_1"
+    assert isinstance(model.lm_head, AmxQuantizedLinear) and model.lm_head.format == "q8_0"
+    assert isinstance(model.layers[0].gate_up, AmxQuantizedSiluMulLinear)
+    assert [o.token_ids for o in blocks.generate(prompts, params)] == batched
     packed = LLM(loaded=smollm2, dtype="bfloat16", num_kv_blocks=32, matmul_backend="packed", quantization="none")
     assert type(packed.engine.runner.model.layers[0].qkv) is PackedLinear

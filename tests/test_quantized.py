@@ -7,15 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 
 from loom import LLM, SamplingParams
 from loom.config import EngineConfig
 from loom.model.linear import QuantizedLinear, make_matmul, pack_panels, pad_to_panels
 from loom.model.quantized import QuantizedWeight, concat_rows
 
-GGML_TYPES = {name: GGMLQuantizationType[name.upper()] for name in ("q4_0", "q4_1", "q8_0")}
+from conftest import GGML_TYPES, random_quantized
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +23,6 @@ def kernels():
     if backend.kernel is None or backend.quantized_kernel is None:
         pytest.skip("the packed and quantized linear kernels do not build on this machine (need AVX2 and F16C)")
     return backend
-
-
-def random_quantized(fmt: str, out_features: int, in_features: int, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
-    """A random weight quantized by gguf's own code, and what gguf dequantizes it to."""
-    w = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32)
-    blocks = quantize(w, GGML_TYPES[fmt])
-    dense = torch.from_numpy(np.asarray(dequantize(blocks, GGML_TYPES[fmt]), dtype=np.float32))
-    return QuantizedWeight(fmt, torch.from_numpy(np.ascontiguousarray(blocks))), dense
 
 
 # (rows, in_features, out_features): 1-16 rows dequantize in registers (one row over three panels, even tiles),

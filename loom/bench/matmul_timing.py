@@ -9,12 +9,13 @@ from collections.abc import Callable
 
 import torch
 
-from loom.model.linear import AmxLinear, PackedLinear, QuantizedLinear
+from loom.model.linear import AmxLinear, AmxQuantizedLinear, PackedLinear, QuantizedLinear
 
 
 def matmul_backend_name(model) -> str:
-    """'quantized' (GGUF blocks), 'amx', 'packed' or 'torch': how the model runs its layer matmuls."""
-    names = {QuantizedLinear: "quantized", AmxLinear: "amx", PackedLinear: "packed"}
+    """'quantized' (GGUF blocks), 'amx_quantized' (GGUF blocks on AMX), 'amx', 'packed' or 'torch': how the model runs
+    its layer matmuls."""
+    names = {QuantizedLinear: "quantized", AmxQuantizedLinear: "amx_quantized", AmxLinear: "amx", PackedLinear: "packed"}
     return names.get(type(model.layer_linears()[0]), "torch")
 
 

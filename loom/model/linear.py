@@ -206,23 +206,57 @@ class QuantizedLinear:
         return cls(pack_records(weight), KERNEL_FORMAT[weight.format], weight.in_features, weight.out_features,
                    padded_bias, kernel)
 
+    def multiply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] -> [rows, out_features]."""
+        return self.kernel.quantized_linear(x, self.records, self.format, self.out_features, self.bias)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
-            return self.kernel.quantized_linear(x, self.records, self.format, self.out_features, self.bias)
-        y = self.kernel.quantized_linear(x.reshape(-1, self.in_features), self.records, self.format,
-                                         self.out_features, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
+            return self.multiply(x)
+        return self.multiply(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+
+
+@dataclass
+class AmxQuantizedLinear(QuantizedLinear):
+    """GGUF Q4_0 / Q4_1 / Q8_0 records (the quantized kernel's layout) on AMX: the kernel dequantizes each slice of
+    them into bfloat16 tiles in L1 and multiplies those, so a decode step reads 4.5-8.5 bits a weight instead of 16.
+    The same bits as AmxLinear on the weight dequantized and rounded to bfloat16 (csrc/amx_dequantize.h)."""
+
+    def multiply(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel.amx_quantized_linear(x, self.records, self.format, self.out_features, self.bias)
+
+
+@dataclass
+class AmxQuantizedSiluMulLinear:
+    """AmxSiluMulLinear with gate and up in GGUF records (rows interleaved in 8s as interleave_gate_up does)."""
+
+    product: AmxQuantizedLinear  # the matmul alone: [rows, 2I], its columns interleaved
+
+    @classmethod
+    def pack(cls, blocks: QuantizedWeight, bias: torch.Tensor | None, kernel: ModuleType) -> AmxQuantizedSiluMulLinear:
+        """blocks and bias: gate's rows, then up's."""
+        gate, up = blocks.blocks.chunk(2)
+        interleaved = QuantizedWeight(blocks.format, interleave_gate_up(gate, up))
+        if bias is not None:
+            bias = interleave_gate_up(*bias.chunk(2))
+        return cls(AmxQuantizedLinear.pack(interleaved, bias, kernel))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] -> [rows, I]."""
+        lin = self.product
+        return lin.kernel.amx_quantized_linear(x, lin.records, lin.format, lin.out_features, lin.bias, True)
 
 
 @dataclass
 class MatmulBackend:
-    """Turns weights into `Linear`s: kept in their GGUF blocks where they come so and the quantized kernel is loaded,
-    else bfloat16 on AMX tiles where that kernel is loaded, else packed for the kernel where it is loaded and supports
-    the weight, else torch."""
+    """Turns weights into `Linear`s: kept in their GGUF blocks where they come so and blocks are wanted (on AMX tiles
+    when `amx_blocks`, else for the quantized kernel), else bfloat16 on AMX tiles where that kernel is loaded, else
+    packed for the kernel where it is loaded and supports the weight, else torch."""
 
     kernel: ModuleType | None
     quantized_kernel: ModuleType | None = None
     amx_kernel: ModuleType | None = None
+    amx_blocks: bool = False  # bfloat16 weights in GGUF blocks run on AMX (amx_quantized_linear)
 
     def runs_amx(self, weight: torch.Tensor) -> bool:
         return self.amx_kernel is not None and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
@@ -231,6 +265,9 @@ class MatmulBackend:
         return (self.kernel is not None and weight.device.type == "cpu"
                 and weight.dtype in (torch.float32, torch.bfloat16))
 
+    def runs_blocks_on_amx(self, weight: torch.Tensor, quantized: QuantizedWeight | None) -> bool:
+        return quantized is not None and self.amx_blocks and self.runs_amx(weight)
+
     def runs_quantized(self, weight: torch.Tensor, quantized: QuantizedWeight | None) -> bool:
         return quantized is not None and self.quantized_kernel is not None and weight.device.type == "cpu"
 
@@ -238,6 +275,8 @@ class MatmulBackend:
                quantized: QuantizedWeight | None = None) -> Linear:
         """`weight` dense (float32 or bfloat16); `quantized`, when the model file has it, the same weight as GGUF
         stores it."""
+        if self.runs_blocks_on_amx(weight, quantized):
+            return AmxQuantizedLinear.pack(quantized, bias, self.amx_kernel)
         if self.runs_quantized(weight, quantized):
             return QuantizedLinear.pack(quantized, bias, self.quantized_kernel)
         if self.runs_amx(weight):
@@ -251,13 +290,18 @@ class MatmulBackend:
                         ) -> SiluMulLinear:
         """SwiGLU's gate and up projections as one matmul: SiLU * up in the AMX kernel's epilogue where AMX runs them,
         else `silu_mul` after `linear`'s product. bias and quantized: gate's rows, then up's."""
-        if self.runs_amx(gate) and not self.runs_quantized(gate, quantized) and gate.shape[0] % 8 == 0:
-            return AmxSiluMulLinear.pack(gate, up, bias, self.amx_kernel)
+        if self.runs_amx(gate) and gate.shape[0] % 8 == 0:
+            if self.runs_blocks_on_amx(gate, quantized):
+                return AmxQuantizedSiluMulLinear.pack(quantized, bias, self.amx_kernel)
+            if not self.runs_quantized(gate, quantized):
+                return AmxSiluMulLinear.pack(gate, up, bias, self.amx_kernel)
         return SiluMulAfter(self.linear(torch.cat([gate, up]), bias, quantized), silu_mul)
 
     def output_head(self, weight: torch.Tensor, quantized: QuantizedWeight | None = None) -> Linear:
         """The LM head. With torch on CPU it runs in 2048-row slices of the vocabulary, so each slice's weights and
         outputs stay in cache (1.4-1.6x faster at 16-64 rows than one call over SmolLM2's 49,152 rows)."""
+        if self.runs_blocks_on_amx(weight, quantized):
+            return AmxQuantizedLinear.pack(quantized, None, self.amx_kernel)
         if self.runs_quantized(weight, quantized):
             return QuantizedLinear.pack(quantized, None, self.quantized_kernel)
         if self.runs_amx(weight):
@@ -272,9 +316,9 @@ def make_matmul(name: str, quantization: str = "none", dtype: torch.dtype = torc
 
     name 'auto': bfloat16 on AMX tiles where the CPU has AMX-BF16 and the model runs in bfloat16, else the packed
     kernel where it builds, else torch; 'amx' and 'packed' insist on their kernel ('amx' needs bfloat16).
-    quantization 'auto': GGUF's blocks run as they are when the quantized kernel builds, except where AMX runs the
-    model (the blocks' kernel is slower there from ~4 rows up, and one kernel for every batch keeps a request's
-    tokens independent of its batch); 'gguf' insists on the blocks; 'none' dequantizes every weight."""
+    quantization 'auto' or 'gguf': GGUF's blocks run as they are, on AMX tiles where AMX runs the model (dequantized
+    into tiles as the kernel goes: the bits of the bfloat16 weights from a third of the bytes), else in the quantized
+    kernel ('auto': where it builds; 'gguf' insists on it); 'none' dequantizes every weight."""
     if name not in MATMUL_BACKENDS:
         raise ValueError(f"unknown matmul backend {name!r}; choose one of {MATMUL_BACKENDS}")
     if quantization not in QUANTIZATIONS:
@@ -284,10 +328,11 @@ def make_matmul(name: str, quantization: str = "none", dtype: torch.dtype = torc
     amx = None
     if name in ("auto", "amx") and dtype == torch.bfloat16:
         amx = kernel_for("matmul_backend", name, "amx", load_amx_linear)
+    amx_blocks = amx is not None and quantization != "none"
     quantized = None
-    if quantization == "gguf" or (quantization == "auto" and amx is None):
+    if not amx_blocks and (quantization == "gguf" or (quantization == "auto" and amx is None)):
         quantized = kernel_for("quantization", quantization, "gguf", load_quantized_linear)
     if name == "torch":
         return MatmulBackend(None, quantized)
     packed = None if name == "amx" else kernel_for("matmul_backend", name, "packed", load_packed_linear)
-    return MatmulBackend(packed, quantized, amx)
+    return MatmulBackend(packed, quantized, amx, amx_blocks)

@@ -14,10 +14,18 @@
 // back, and the layer makes one call less; SiLU comes from a table (silu.h). At 64 x 576 -> 2 x 1536 (one run,
 // medians of 200): the product alone 122.7 us, then silu_mul 159.2, fused 129.6. A 2048-token prefill, alternating
 // with the product then silu_mul: 581-597 -> 534-564 ms.
+//
+// W may also come as GGUF Q4_1 / Q8_0 records (amx_quantized_linear): each slice of a panel group's records is
+// dequantized into tiles in L1 (amx_dequantize.h) just before the row blocks use it, with the bits of the bfloat16
+// weights. A decode step then reads 5 or 8.5 bits a weight instead of 16, but spends ~80 cycles a tile dequantizing,
+// which this core does not overlap with the tile products. SmolLM2's 30 layers' matmuls and head from memory (one
+// process, alternating, medians of 6, ms): 1 row 12.6 -> 9.4, 64 rows 17.5 -> 15.9, 256 rows 44.0 -> 42.4, 2048
+// rows 340 -> 357 (each 256-row pass dequantizes the weights again).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "amx_dequantize.h"
 #include "amx_tiles.h"
 #include "bfloat16.h"
 #include "silu.h"
@@ -27,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <vector>
 
 #if !defined(__AMX_TILE__) || !defined(__AMX_BF16__)
@@ -51,6 +60,8 @@ constexpr int64_t kSubPassTiles = 3 * kBlockRows / kRows;  // sums tiles of a su
 
 using bf16 = c10::BFloat16;
 using loom::amx::configure_tiles;
+using loom::amx::Q4_1Tiles;
+using loom::amx::Q8_0Tiles;
 using loom::amx::request_amx;
 using loom::amx::round_to_bf16;
 
@@ -63,8 +74,9 @@ struct RowBlock {
 
 // sums[RB][PB][16 x 16] (+)= RB row blocks of x . PB panels of W over k chunks [c0, c1), in order of k: from zero,
 // or resuming the sums stored by the previous k slice (float32 stored and reloaded exactly, so slicing changes no
-// bit). Tiles 0-3 hold the sums of (row block i, panel j) at 2i + j; 4-5 the two row blocks of x; 6-7 the two panels
-// (a third panel, with one row block, in tile 5).
+// bit). `panel` is the first panel's tile at chunk c0, the others panel_elems apart. Tiles 0-3 hold the sums of (row
+// block i, panel j) at 2i + j; 4-5 the two row blocks of x; 6-7 the two panels (a third panel, with one row block, in
+// tile 5).
 template <int RB, int PB>
 void tile_group(const RowBlock* a, const bf16* panel, int64_t panel_elems, int64_t c0, int64_t c1, bool resume,
                 float* sums) {
@@ -82,11 +94,12 @@ void tile_group(const RowBlock* a, const bf16* panel, int64_t panel_elems, int64
     if constexpr (RB == 2 && PB == 2) _tile_zero(3);
   }
   for (int64_t c = c0; c < c1; ++c) {
+    const bf16* w = panel + (c - c0) * kTileElems;
     _tile_loadd(4, a[0].rows + c * kChunk, a[0].stride_bytes);
     if constexpr (RB == 2) _tile_loadd(5, a[1].rows + c * kChunk, a[1].stride_bytes);
-    _tile_loadd(6, panel + c * kTileElems, 64);
-    if constexpr (PB >= 2) _tile_loadd(7, panel + panel_elems + c * kTileElems, 64);
-    if constexpr (PB == 3) _tile_loadd(5, panel + 2 * panel_elems + c * kTileElems, 64);
+    _tile_loadd(6, w, 64);
+    if constexpr (PB >= 2) _tile_loadd(7, w + panel_elems, 64);
+    if constexpr (PB == 3) _tile_loadd(5, w + 2 * panel_elems, 64);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (PB >= 2) _tile_dpbf16ps(1, 4, 7);
     if constexpr (PB == 3) _tile_dpbf16ps(2, 4, 5);
@@ -186,10 +199,49 @@ void store_group(const float* sums, const TileGroup& g, const float* bias, int64
   }
 }
 
-void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const bf16* panels, int64_t chunks,
-                     const float* bias, bf16* y, int64_t out_features, const uint16_t* silu_table) {
+// Where the tile groups find a panel group's weight tiles for k chunks [c0, c1): packed bfloat16 tiles, read in
+// place; or GGUF records (amx_dequantize.h), dequantized into a per-thread buffer of tiles that then serves the
+// sub-pass's row blocks from L1.
+struct DenseTiles {
+  const bf16* panels;  // [num_panels][chunks] tiles
+  int64_t chunks;
+  static constexpr int64_t kBufferElems = 0;
+  // The tiles of panels p .. p + pb - 1 from chunk c0, and the distance between panels (in elements).
+  const bf16* slice(int64_t p, int /*pb*/, int64_t c0, int64_t /*c1*/, bf16* /*buffer*/, int64_t& panel_elems) const {
+    panel_elems = chunks * kTileElems;
+    return panels + p * panel_elems + c0 * kTileElems;
+  }
+};
+
+template <typename Format>
+struct RecordTiles {
+  const uint8_t* records;  // [num_panels][chunks] records of Format
+  int64_t chunks;
+  static constexpr int64_t kBufferElems = 3 * kSliceChunks * kTileElems;  // a slice of three panels: 18 KiB
+  // Each record's lines are asked for this far ahead, to L2: the dequantizing keeps the core busy between reads, and
+  // the hardware prefetchers alone then fell behind. 30 layers' matmuls and the head, medians of 7, ms: 1 row
+  // 11.2-11.6 without, 9.3-9.8 at 2.5 KiB, 9.1-9.3 at 10 KiB; 64 rows 18.3 / 16.2-16.9 / 15.7-16.2.
+  static constexpr int64_t kPrefetchBytes = 10240;
+  const bf16* slice(int64_t p, int pb, int64_t c0, int64_t c1, bf16* buffer, int64_t& panel_elems) const {
+    panel_elems = (c1 - c0) * kTileElems;
+    for (int j = 0; j < pb; ++j) {
+      const uint8_t* record = records + ((p + j) * chunks + c0) * Format::kRecordBytes;
+      for (int64_t c = c0; c < c1; ++c, record += Format::kRecordBytes) {
+        for (int64_t line = 0; line < Format::kRecordBytes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(record) + kPrefetchBytes + line, _MM_HINT_T1);
+        Format::tile(record, buffer + j * panel_elems + (c - c0) * kTileElems);
+      }
+    }
+    return buffer;
+  }
+};
+
+template <typename Weights>
+void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const Weights& weights, const float* bias,
+                     bf16* y, int64_t out_features, const uint16_t* silu_table) {
+  constexpr bool kDequantizes = Weights::kBufferElems > 0;
+  const int64_t chunks = weights.chunks;
   const int64_t num_panels = (out_features + kPanel - 1) / kPanel;
-  const int64_t panel_elems = chunks * kTileElems;
   const int64_t padded_k = chunks * kChunk;
   const int64_t num_blocks = (rows + kRows - 1) / kRows;
   // x as AMX reads it: full row blocks in place when each row is whole chunks, else from a zero-padded copy.
@@ -218,7 +270,7 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const bf1
   const bool triples = num_blocks >= 2 && num_panels % 3 == 0 && num_panels <= kTripleMaxPanels;
   const int64_t group_panels = triples ? 3 : 2, group_blocks = triples ? 1 : 2;
   const int64_t blocks_per_pass = kBlockRows / kRows;
-  const int64_t sub_blocks = triples ? blocks_per_pass : kSubBlocks;
+  const int64_t sub_blocks = triples || kDequantizes ? blocks_per_pass : kSubBlocks;
   // Threads split the panel groups: each weight tile is read by one thread, once per pass over the rows. Each
   // thread makes all the passes over its own panels, with no barrier between passes (the passes write disjoint
   // rows of y).
@@ -229,6 +281,7 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const bf1
     // sub-pass's and the one before it.
     constexpr int64_t kTileSums = kRows * kPanel;
     alignas(64) float sums[2][kSubPassTiles * kTileSums];
+    alignas(64) bf16 buffer[std::max<int64_t>(Weights::kBufferElems, 1)];
     std::optional<TileGroup> pending;
     const float* pending_sums = nullptr;
     int64_t n = 0;
@@ -237,13 +290,15 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const bf1
       for (int64_t q = q0; q < q1; ++q) {
         const int64_t p = group_panels * q;
         const int pb = static_cast<int>(std::min(group_panels, num_panels - p));
-        const bf16* panel = panels + p * panel_elems;
         for (int64_t s0 = b0; s0 < b1; s0 += sub_blocks, ++n) {
           const int64_t s1 = std::min(b1, s0 + sub_blocks);
-          // One group alone reuses no slice: it walks all of k at once.
-          const int64_t slice = s1 - s0 > group_blocks ? kSliceChunks : chunks;
+          // One group of packed tiles alone reuses no slice: it walks all of k at once. Dequantized tiles come a
+          // slice at a time, to stay in L1.
+          const int64_t slice = s1 - s0 > group_blocks || kDequantizes ? kSliceChunks : chunks;
           for (int64_t c0 = 0; c0 < chunks; c0 += slice) {
             const int64_t c1 = std::min(chunks, c0 + slice);
+            int64_t panel_elems;
+            const bf16* panel = weights.slice(p, pb, c0, c1, buffer, panel_elems);
             for (int64_t b = s0; b < s1; b += group_blocks) {
               const int rb = b + 1 < s1 && !triples ? 2 : 1;
               const RowBlock a[2] = {row_block(b), rb == 2 ? row_block(b + 1) : row_block(b)};
@@ -268,24 +323,23 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const bf1
   });
 }
 
-// x bfloat16 [rows, in_features], tiles bfloat16 [ceil(out_features / 16), ceil(in_features / 32), 16, 32] (see
-// pack_amx_tiles), bias float32 [16 * num_panels] or None -> y bfloat16 [rows, out_features]; gated (gate and up
-// interleaved in 8s by interleave_gate_up, out_features whole panels) -> SiLU(gate) * up, [rows, out_features / 2].
-torch::Tensor amx_product(const torch::Tensor& x_in, const torch::Tensor& tiles, int64_t out_features,
-                          const std::optional<torch::Tensor>& bias, bool gated) {
+// What every entry point checks and does around the kernel: x bfloat16 [rows, in_features] against a weight of
+// num_panels panels and num_chunks k chunks; bias float32 [16 * num_panels] or None; y bfloat16 [rows, out_features],
+// or gated (gate and up interleaved in 8s by interleave_gate_up, out_features whole panels) SiLU(gate) * up, [rows,
+// out_features / 2]. run(x, bias, y, silu_table) fills y.
+template <typename Run>
+torch::Tensor amx_product(const torch::Tensor& x_in, int64_t num_panels, int64_t num_chunks, int64_t out_features,
+                          const std::optional<torch::Tensor>& bias, bool gated, Run&& run) {
   TORCH_CHECK(request_amx(), "amx_linear: this process was not granted AMX's tile state");
-  TORCH_CHECK(x_in.device().is_cpu() && tiles.device().is_cpu(), "amx_linear runs on CPU");
+  TORCH_CHECK(x_in.device().is_cpu(), "amx_linear runs on CPU");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kBFloat16, "x must be a bfloat16 [rows, in_features]");
-  TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == 16 && tiles.size(3) == kChunk && tiles.is_contiguous() &&
-                  tiles.scalar_type() == torch::kBFloat16,
-              "tiles must be a contiguous bfloat16 [num_panels, num_chunks, 16, 32] tensor");
-  TORCH_CHECK(tiles.size(0) == (out_features + kPanel - 1) / kPanel, "out_features does not match the tiles");
+  TORCH_CHECK(num_panels == (out_features + kPanel - 1) / kPanel, "out_features does not match the weight's panels");
   TORCH_CHECK(!gated || out_features % kPanel == 0, "a gated product's gate and up fill whole panels");
-  TORCH_CHECK(tiles.size(1) == (x_in.size(1) + kChunk - 1) / kChunk, "x has ", x_in.size(1),
-              " features, the tiles expect ", tiles.size(1) * kChunk, " (padded)");
+  TORCH_CHECK(num_chunks == (x_in.size(1) + kChunk - 1) / kChunk, "x has ", x_in.size(1),
+              " features, the weight expects ", num_chunks * kChunk, " (padded)");
   const float* bias_data = nullptr;
   if (bias) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == tiles.size(0) * kPanel && bias->is_contiguous() &&
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == num_panels * kPanel && bias->is_contiguous() &&
                     bias->scalar_type() == torch::kFloat32,
                 "bias must be float32, zero-padded to whole panels (see loom/model/linear.py)");
     bias_data = bias->data_ptr<float>();
@@ -293,9 +347,45 @@ torch::Tensor amx_product(const torch::Tensor& x_in, const torch::Tensor& tiles,
   const auto x = x_in.contiguous();
   auto y = torch::empty({x.size(0), gated ? out_features / 2 : out_features}, x.options());
   if (x.size(0) == 0) return y;
-  amx_linear_impl(x.data_ptr<bf16>(), x.size(0), x.size(1), tiles.data_ptr<bf16>(), tiles.size(1), bias_data,
-                  y.data_ptr<bf16>(), out_features, gated ? loom::bf16_silu_table() : nullptr);
+  run(x, bias_data, y, gated ? loom::bf16_silu_table() : nullptr);
   return y;
+}
+
+// tiles bfloat16 [ceil(out_features / 16), ceil(in_features / 32), 16, 32] (see pack_amx_tiles).
+torch::Tensor tiles_product(const torch::Tensor& x, const torch::Tensor& tiles, int64_t out_features,
+                            const std::optional<torch::Tensor>& bias, bool gated) {
+  TORCH_CHECK(tiles.device().is_cpu() && tiles.dim() == 4 && tiles.size(2) == 16 && tiles.size(3) == kChunk &&
+                  tiles.is_contiguous() && tiles.scalar_type() == torch::kBFloat16,
+              "tiles must be a contiguous bfloat16 [num_panels, num_chunks, 16, 32] CPU tensor");
+  return amx_product(x, tiles.size(0), tiles.size(1), out_features, bias, gated,
+                     [&](const torch::Tensor& xc, const float* b, torch::Tensor& y, const uint16_t* silu_table) {
+                       const DenseTiles weights{tiles.data_ptr<bf16>(), tiles.size(1)};
+                       amx_linear_impl(xc.data_ptr<bf16>(), xc.size(0), xc.size(1), weights, b, y.data_ptr<bf16>(),
+                                       out_features, silu_table);
+                     });
+}
+
+// records uint8 [ceil(out_features / 16), in_features / 32, record bytes] in `format` "q4_1" or "q8_0", the quantized
+// kernel's layout (loom/model/quantized.py pack_records).
+torch::Tensor records_product(const torch::Tensor& x, const torch::Tensor& records, const std::string& format,
+                              int64_t out_features, const std::optional<torch::Tensor>& bias, bool gated) {
+  TORCH_CHECK(format == "q4_1" || format == "q8_0", "format must be 'q4_1' or 'q8_0', not '", format, "'");
+  const int64_t record_bytes = format == "q4_1" ? Q4_1Tiles::kRecordBytes : Q8_0Tiles::kRecordBytes;
+  TORCH_CHECK(records.device().is_cpu() && records.dim() == 3 && records.scalar_type() == torch::kUInt8 &&
+                  records.is_contiguous() && records.size(2) == record_bytes,
+              "records must be a contiguous uint8 [num_panels, in_features / 32, ", record_bytes, "] CPU tensor");
+  TORCH_CHECK(x.dim() == 2 && records.size(1) * kChunk == x.size(1), "x has ", x.size(1),
+              " features, the records expect ", records.size(1) * kChunk);
+  return amx_product(x, records.size(0), records.size(1), out_features, bias, gated,
+                     [&](const torch::Tensor& xc, const float* b, torch::Tensor& y, const uint16_t* silu_table) {
+                       auto run = [&](const auto& weights) {
+                         amx_linear_impl(xc.data_ptr<bf16>(), xc.size(0), xc.size(1), weights, b, y.data_ptr<bf16>(),
+                                         out_features, silu_table);
+                       };
+                       const uint8_t* data = records.data_ptr<uint8_t>();
+                       if (format == "q4_1") run(RecordTiles<Q4_1Tiles>{data, records.size(1)});
+                       else run(RecordTiles<Q8_0Tiles>{data, records.size(1)});
+                     });
 }
 
 }  // namespace
@@ -303,16 +393,23 @@ torch::Tensor amx_product(const torch::Tensor& x_in, const torch::Tensor& tiles,
 // Whether this process may use AMX (the kernel compiled, and Linux granted the tile state).
 bool amx_available() { return request_amx(); }
 
-// x [rows, in_features] -> x W^T (+ bias), [rows, out_features] (amx_product).
+// x [rows, in_features] -> x W^T (+ bias), [rows, out_features] (tiles_product).
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& tiles, int64_t out_features,
                          const std::optional<torch::Tensor>& bias) {
-  return amx_product(x, tiles, out_features, bias, false);
+  return tiles_product(x, tiles, out_features, bias, false);
 }
 
-// x [rows, in_features] -> SiLU(x G^T) * (x U^T), [rows, out_features / 2] (amx_product).
+// x [rows, in_features] -> SiLU(x G^T) * (x U^T), [rows, out_features / 2] (tiles_product).
 torch::Tensor amx_silu_mul_linear(const torch::Tensor& x, const torch::Tensor& tiles, int64_t out_features,
                                   const std::optional<torch::Tensor>& bias) {
-  return amx_product(x, tiles, out_features, bias, true);
+  return tiles_product(x, tiles, out_features, bias, true);
+}
+
+// amx_linear, or gated amx_silu_mul_linear, with W in GGUF records (records_product): the same bits as on the
+// weights dequantized to float32 and rounded to bfloat16.
+torch::Tensor amx_quantized_linear(const torch::Tensor& x, const torch::Tensor& records, const std::string& format,
+                                   int64_t out_features, const std::optional<torch::Tensor>& bias, bool gated) {
+  return records_product(x, records, format, out_features, bias, gated);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -322,4 +419,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_silu_mul_linear", &amx_silu_mul_linear,
         "SiLU(x @ G^T) * (x @ U^T) on AMX, G and U's rows interleaved in 8s (out_features counts both)", py::arg("x"),
         py::arg("tiles"), py::arg("out_features"), py::arg("bias") = py::none());
+  m.def("amx_quantized_linear", &amx_quantized_linear,
+        "amx_linear (gated: amx_silu_mul_linear) with W in GGUF Q4_1 or Q8_0 records, dequantized into tiles as it goes",
+        py::arg("x"), py::arg("records"), py::arg("format"), py::arg("out_features"), py::arg("bias") = py::none(),
+        py::arg("gated") = false);
 }
