@@ -217,3 +217,19 @@ def test_agreement_runs_both_dtypes_on_the_given_backends(tiny_llama, monkeypatc
     assert all((c.attention_backend, c.layer_ops, c.quantization) == ("reference", "torch", "none") for c in built)
     assert result["requests"] == 3 and result["tokens"] == 18
     assert 0 <= result["position_agreement"] <= 1 and 0 <= result["identical_requests"] <= 3
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_run_on_gguf_blocks_is_also_held_to_the_dense_peak(smollm2, dtype):
+    """Blocks trade arithmetic for bytes, so their own matmul peak is below the dense one: the benchmarks measure the
+    same weights dequantized too (the same backend family: packed beside the quantized kernel, AMX beside AMX
+    blocks), and a model without blocks has no twin."""
+    from loom.bench.matmul_timing import dense_twin, matmul_backend_name
+
+    cache = CacheConfig(num_kv_blocks=16)
+    blocks = LLMEngine(EngineConfig(dtype=dtype, quantization="gguf", cache=cache), smollm2)
+    twin = dense_twin(smollm2, blocks)
+    pairs = {"quantized": "packed", "amx_quantized": "amx"}
+    assert twin is not None and twin.dtype == blocks.runner.model.dtype
+    assert matmul_backend_name(twin) == pairs[matmul_backend_name(blocks.runner.model)]
+    assert dense_twin(smollm2, LLMEngine(EngineConfig(dtype=dtype, quantization="none", cache=cache), smollm2)) is None

@@ -9,14 +9,26 @@ from collections.abc import Callable
 
 import torch
 
-from loom.model.linear import AmxLinear, AmxQuantizedLinear, PackedLinear, QuantizedLinear
+from loom.model.linear import AmxLinear, AmxQuantizedLinear, PackedLinear, QuantizedLinear, make_matmul
+
+BLOCK_BACKENDS = {QuantizedLinear: "quantized", AmxQuantizedLinear: "amx_quantized"}  # GGUF blocks
 
 
 def matmul_backend_name(model) -> str:
     """'quantized' (GGUF blocks), 'amx_quantized' (GGUF blocks on AMX), 'amx', 'packed' or 'torch': how the model runs
     its layer matmuls."""
-    names = {QuantizedLinear: "quantized", AmxQuantizedLinear: "amx_quantized", AmxLinear: "amx", PackedLinear: "packed"}
+    names = {**BLOCK_BACKENDS, AmxLinear: "amx", PackedLinear: "packed"}
     return names.get(type(model.layer_linears()[0]), "torch")
+
+
+def dense_twin(loaded, engine):
+    """Where the engine runs GGUF blocks, the same model with its weights dequantized to its dtype on the same matmul
+    backend; else None. Blocks trade arithmetic for bytes, so their own matmul peak is lower than the dense one: a
+    run held to the blocks' peak alone would look closer to the machine's limit than it is."""
+    if type(engine.runner.model.layer_linears()[0]) not in BLOCK_BACKENDS:
+        return None
+    config = engine.config
+    return loaded.build(config.dtype, make_matmul(config.matmul_backend, "none", config.dtype))
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from loom.bench.matmul_timing import matmul_backend_name, matmul_peak
+from loom.bench.matmul_timing import dense_twin, matmul_backend_name, matmul_peak
 from loom.bench.memory_roofline import read_bandwidth, run_roofline, weight_bytes
 from loom.bench.workloads import BenchRequest, article_workload, mixed_workload, shared_prefix_workload
 from loom.cli import engine_config
@@ -149,10 +149,16 @@ def main(args: argparse.Namespace) -> int:
     for dtype, quantization in itertools.product(args.dtypes.split(","), quantizations):
         engine = LLMEngine(engine_config(args, dtype, quantization), loaded)
         label = dtype if quantization == "none" else f"{dtype}-{quantization}"  # in file names and titles
-        # The roofline each run is held to: the best matmul FLOP/s on the model's own shapes, in this process,
-        # measured before and after the run (this VM's speed drifts by tens of percent from minute to minute); the
-        # higher of the two, so the fraction errs low. One run's "after" is the next one's "before".
-        before = matmul_peak(engine.runner.model)["peak_gflops"]
+        # The roofline each run is held to: the best matmul FLOP/s on the model's own shapes (and, for GGUF blocks,
+        # on the same weights dense), in this process, measured before and after the run (this VM's speed drifts by
+        # tens of percent from minute to minute); the higher of the two, so the fraction errs low. One run's "after"
+        # is the next one's "before".
+        peak_models = [m for m in (engine.runner.model, dense_twin(loaded, engine)) if m is not None]
+
+        def measured_peak() -> float:
+            return max(matmul_peak(m)["peak_gflops"] for m in peak_models)
+
+        before = measured_peak()
         bandwidth_before = read_bandwidth()  # the same before-and-after rule for the memory side of the roofline
         for name in names:
             requests, seqs = workloads[name]
@@ -163,7 +169,7 @@ def main(args: argparse.Namespace) -> int:
             for policy in args.policies.split(","):
                 results[policy], tokens[policy], traces[policy] = run_once(
                     engine, requests, policy, seqs, args.max_num_batched_tokens)
-                after = matmul_peak(engine.runner.model)["peak_gflops"]
+                after = measured_peak()
                 bandwidth_after = read_bandwidth()
                 peak, bandwidth = max(before, after), max(bandwidth_before, bandwidth_after)
                 emit({**base, "matmul_peak_gflops": peak, "matmul_peak_before_after_gflops": [before, after],

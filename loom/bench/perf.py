@@ -1,7 +1,8 @@
 """`loom bench perf`: the performance figures Loom is held to, each printed as one JSON line, measured in one process.
 
 - matmul_peak: matmul throughput on the model's own weight shapes, with torch's matmul and with the engine's matmul
-  backend; the better of them is the roofline every other figure is held to.
+  backend (on GGUF blocks, and on the same weights dense); the best of them is the roofline every other figure is
+  held to.
 - decode: one decode step at B running requests of C tokens of context, against the same step's matmuls alone,
   and how much of the step is spent outside the model forward (scheduling, metadata, sampling, bookkeeping).
 - prefill: one long prompt alone, as achieved model FLOP/s and as a fraction of the measured peak.
@@ -29,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
-from loom.bench.matmul_timing import matmul_backend_name, matmul_peak, matmuls_alone, median_seconds
+from loom.bench.matmul_timing import dense_twin, matmul_backend_name, matmul_peak, matmuls_alone, median_seconds
 from loom.bench.memory_roofline import read_bandwidth, weight_bytes
 from loom.bench.offline import emit, run_once
 from loom.bench.serve_client import free_loopback_port, wait_until_healthy
@@ -254,6 +255,9 @@ def main(args: argparse.Namespace) -> int:
                 "attention_backend": type(engine.runner.attention).__name__, "matmul_backend": backend,
                 "layer_ops": layer_ops_name(engine.runner.model)}
         peaks = {backend: matmul_peak(engine.runner.model)}
+        twin = dense_twin(loaded, engine)
+        if twin is not None:
+            peaks[matmul_backend_name(twin)] = matmul_peak(twin)
         if backend != "torch":
             peaks["torch"] = matmul_peak(loaded.build(engine.config.dtype, make_matmul("torch")))
         peak = {"peak_gflops": max(p["peak_gflops"] for p in peaks.values()), "by_backend": peaks}
