@@ -51,9 +51,12 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
     return QuantizedWeight(formats.pop(), torch.cat([w.blocks for w in weights]))
 
 
-def pack_records(weight: QuantizedWeight) -> torch.Tensor:
+def pack_records(weight: QuantizedWeight, step_pairs: bool = False) -> torch.Tensor:
     """uint8 [ceil(out / 16), in / 32, record bytes]: panel p, block b holds rows 16p..16p+15 (zero-padded: d = m = 0
-    gives weights of 0) of block b, in the layout of KERNEL_FORMAT[format] that csrc/quantized_linear.cpp documents."""
+    gives weights of 0) of block b, in the layout of KERNEL_FORMAT[format] that csrc/quantized_linear.cpp documents.
+
+    step_pairs: the codes of steps 2r and 2r + 1 interleaved byte by byte (column by column for Q8_0), the order of
+    an AMX tile's row r, so that csrc/amx_dequantize.h widens them without shuffling."""
     fmt, out_features = weight.format, weight.out_features
     num_blocks = weight.in_features // BLOCK
     num_panels = -(-out_features // PANEL_ROWS)
@@ -64,6 +67,8 @@ def pack_records(weight: QuantizedWeight) -> torch.Tensor:
     scales = raw[..., 0:2].reshape(num_panels, num_blocks, 2 * PANEL_ROWS)  # d of columns 0-15, float16 bytes
     if fmt == "q8_0":
         codes = raw[..., 2:].transpose(0, 1, 3, 2)  # int8 codes [panel, block, k, column]
+        if step_pairs:
+            codes = _pairs_of_steps(codes)
         parts = [scales, codes.reshape(num_panels, num_blocks, -1)]
     else:
         offsets = _minus_8d(raw[..., 0:2]) if fmt == "q4_0" else raw[..., 2:4]  # m of columns 0-15
@@ -71,8 +76,16 @@ def pack_records(weight: QuantizedWeight) -> torch.Tensor:
         codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # [panel, block, column, k]
         codes = codes.transpose(0, 1, 3, 2)  # [panel, block, k, column]
         step_bytes = codes[..., :8] | (codes[..., 8:] << 4)  # byte c of step k: column c, column c + 8 above it
+        if step_pairs:
+            step_bytes = _pairs_of_steps(step_bytes)
         parts = [scales, offsets.reshape(num_panels, num_blocks, -1), step_bytes.reshape(num_panels, num_blocks, -1)]
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)))
+
+
+def _pairs_of_steps(steps: np.ndarray) -> np.ndarray:
+    """[panel, block, k, bytes] -> [panel, block, k / 2, bytes, 2]: each pair of steps' bytes interleaved."""
+    panels, blocks, k, width = steps.shape
+    return steps.reshape(panels, blocks, k // 2, 2, width).transpose(0, 1, 2, 4, 3)
 
 
 def _minus_8d(scale_bytes: np.ndarray) -> np.ndarray:
