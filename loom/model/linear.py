@@ -218,9 +218,10 @@ class QuantizedLinear:
 
 @dataclass
 class AmxQuantizedLinear(QuantizedLinear):
-    """GGUF Q4_0 / Q4_1 / Q8_0 records (the quantized kernel's layout, steps in pairs) on AMX: the kernel dequantizes each slice of
-    them into bfloat16 tiles in L1 and multiplies those, so a decode step reads 4.5-8.5 bits a weight instead of 16.
-    The same bits as AmxLinear on the weight dequantized and rounded to bfloat16 (csrc/amx_dequantize.h)."""
+    """GGUF Q4_0 / Q4_1 / Q8_0 records (the quantized kernel's layout, steps in pairs) on AMX: the kernel dequantizes
+    each slice of them into bfloat16 tiles in L1 and multiplies those, so a decode step reads 4.5-8.5 bits a weight
+    instead of 16. The same bits as AmxLinear on the weight dequantized and rounded to bfloat16
+    (csrc/amx_dequantize.h)."""
 
     @classmethod
     def pack(cls, weight: QuantizedWeight, bias: torch.Tensor | None, kernel: ModuleType) -> AmxQuantizedLinear:

@@ -21,7 +21,8 @@
 // which this core does not overlap with the tile products. SmolLM2's 30 layers' matmuls and head from memory (one
 // process, alternating, medians of 6, ms): 1 row 12.6 -> 9.4, 64 rows 17.5 -> 15.9, 256 rows 44.0 -> 42.4, 2048
 // rows 340 -> 357 (each 256-row pass dequantizes the weights again). With each pair of steps' codes interleaved at
-// load (amx_dequantize.h), three alternating pairs of runs: 1 row 8.6-9.0 -> 8.0-8.4 ms, 64 rows 15.6-16.0 -> 15.0-15.7.
+// load (amx_dequantize.h), three alternating pairs of runs: 1 row 8.6-9.0 -> 8.0-8.4 ms, 64 rows 15.6-16.0 ->
+// 15.0-15.7.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -375,8 +376,6 @@ torch::Tensor records_product(const torch::Tensor& x, const torch::Tensor& recor
   TORCH_CHECK(records.device().is_cpu() && records.dim() == 3 && records.scalar_type() == torch::kUInt8 &&
                   records.is_contiguous() && records.size(2) == record_bytes,
               "records must be a contiguous uint8 [num_panels, in_features / 32, ", record_bytes, "] CPU tensor");
-  TORCH_CHECK(x.dim() == 2 && records.size(1) * kChunk == x.size(1), "x has ", x.size(1),
-              " features, the records expect ", records.size(1) * kChunk);
   return amx_product(x, records.size(0), records.size(1), out_features, bias, gated,
                      [&](const torch::Tensor& xc, const float* b, torch::Tensor& y, const uint16_t* silu_table) {
                        auto run = [&](const auto& weights) {
@@ -421,7 +420,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "SiLU(x @ G^T) * (x @ U^T) on AMX, G and U's rows interleaved in 8s (out_features counts both)", py::arg("x"),
         py::arg("tiles"), py::arg("out_features"), py::arg("bias") = py::none());
   m.def("amx_quantized_linear", &amx_quantized_linear,
-        "amx_linear (gated: amx_silu_mul_linear) with W in GGUF Q4_1 or Q8_0 records, dequantized into tiles as it goes",
+        "amx_linear (gated: amx_silu_mul_linear) with W in GGUF Q4_1 or Q8_0 records, dequantized as it goes",
         py::arg("x"), py::arg("records"), py::arg("format"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("gated") = false);
 }
