@@ -1,5 +1,6 @@
-"""The AMX bfloat16 matmul kernel against a float64 reference, its batch invariance, its tile layout, and how the
-matmul backend chooses it. Kernel tests skip on CPUs without AMX-BF16; the layout and choice tests run anywhere."""
+"""The AMX bfloat16 matmul kernel against a float64 reference, its batch invariance, its tile layout, GGUF blocks
+dequantized into its tiles (the bits of their bfloat16 weights), and how the matmul backend chooses it. Kernel tests
+skip on CPUs without AMX-BF16; the layout and choice tests run anywhere."""
 
 from __future__ import annotations
 
