@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -199,12 +199,13 @@ class QuantizedLinear:
     out_features: int
     bias: torch.Tensor | None  # float32, padded to whole panels (pad_to_panels)
     kernel: ModuleType
+    step_pairs: ClassVar[bool] = False  # the records' codes in pairs of steps (pack_records), as the kernel reads them
 
     @classmethod
     def pack(cls, weight: QuantizedWeight, bias: torch.Tensor | None, kernel: ModuleType) -> QuantizedLinear:
         padded_bias = None if bias is None else pad_to_panels(bias)
-        return cls(pack_records(weight), KERNEL_FORMAT[weight.format], weight.in_features, weight.out_features,
-                   padded_bias, kernel)
+        return cls(pack_records(weight, cls.step_pairs), KERNEL_FORMAT[weight.format], weight.in_features,
+                   weight.out_features, padded_bias, kernel)
 
     def multiply(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] -> [rows, out_features]."""
@@ -223,11 +224,7 @@ class AmxQuantizedLinear(QuantizedLinear):
     instead of 16. The same bits as AmxLinear on the weight dequantized and rounded to bfloat16
     (csrc/amx_dequantize.h)."""
 
-    @classmethod
-    def pack(cls, weight: QuantizedWeight, bias: torch.Tensor | None, kernel: ModuleType) -> AmxQuantizedLinear:
-        padded_bias = None if bias is None else pad_to_panels(bias)
-        return cls(pack_records(weight, step_pairs=True), KERNEL_FORMAT[weight.format], weight.in_features,
-                   weight.out_features, padded_bias, kernel)
+    step_pairs: ClassVar[bool] = True
 
     def multiply(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel.amx_quantized_linear(x, self.records, self.format, self.out_features, self.bias)

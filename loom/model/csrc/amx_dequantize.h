@@ -15,6 +15,8 @@
 
 #include <cstdint>
 
+#include "gguf_records.h"
+
 #if !defined(__AVX512BF16__)
 #error "dequantizing into AMX tiles needs AVX512-BF16, which every AMX-BF16 CPU has"
 #endif
@@ -41,7 +43,7 @@ inline void store_tile_row(void* row, __m512 low_columns, __m512 high_columns) {
 }
 
 struct Q4_1Tiles {
-  static constexpr int64_t kRecordBytes = 320;  // d[16] float16 | m[16] float16 | 32 steps x 8 bytes of codes
+  static constexpr int64_t kRecordBytes = gguf::kQ4_1RecordBytes;
   // Record: byte c of a step holds column c's code (low nibble) and column c + 8's (high). Row r's 16 bytes are
   // steps 2r and 2r + 1 byte by byte, so byte j's low nibble is the j-th weight of the tile row's first half and its
   // high nibble the j-th of the second.
@@ -62,7 +64,7 @@ struct Q4_1Tiles {
 };
 
 struct Q8_0Tiles {
-  static constexpr int64_t kRecordBytes = 544;  // d[16] float16 | 32 steps x 16 int8 codes
+  static constexpr int64_t kRecordBytes = gguf::kQ8_0RecordBytes;
   // Row r's 32 bytes are steps 2r and 2r + 1 column by column: the tile row's codes in order.
   static void tile(const uint8_t* record, void* tile) {
     const __m512 d = load_half16(record);

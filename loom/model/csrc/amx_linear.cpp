@@ -367,27 +367,6 @@ torch::Tensor tiles_product(const torch::Tensor& x, const torch::Tensor& tiles, 
                      });
 }
 
-// records uint8 [ceil(out_features / 16), in_features / 32, record bytes] in `format` "q4_1" or "q8_0", the quantized
-// kernel's layout (loom/model/quantized.py pack_records).
-torch::Tensor records_product(const torch::Tensor& x, const torch::Tensor& records, const std::string& format,
-                              int64_t out_features, const std::optional<torch::Tensor>& bias, bool gated) {
-  TORCH_CHECK(format == "q4_1" || format == "q8_0", "format must be 'q4_1' or 'q8_0', not '", format, "'");
-  const int64_t record_bytes = format == "q4_1" ? Q4_1Tiles::kRecordBytes : Q8_0Tiles::kRecordBytes;
-  TORCH_CHECK(records.device().is_cpu() && records.dim() == 3 && records.scalar_type() == torch::kUInt8 &&
-                  records.is_contiguous() && records.size(2) == record_bytes,
-              "records must be a contiguous uint8 [num_panels, in_features / 32, ", record_bytes, "] CPU tensor");
-  return amx_product(x, records.size(0), records.size(1), out_features, bias, gated,
-                     [&](const torch::Tensor& xc, const float* b, torch::Tensor& y, const uint16_t* silu_table) {
-                       auto run = [&](const auto& weights) {
-                         amx_linear_impl(xc.data_ptr<bf16>(), xc.size(0), xc.size(1), weights, b, y.data_ptr<bf16>(),
-                                         out_features, silu_table);
-                       };
-                       const uint8_t* data = records.data_ptr<uint8_t>();
-                       if (format == "q4_1") run(RecordTiles<Q4_1Tiles>{data, records.size(1)});
-                       else run(RecordTiles<Q8_0Tiles>{data, records.size(1)});
-                     });
-}
-
 }  // namespace
 
 // Whether this process may use AMX (the kernel compiled, and Linux granted the tile state).
@@ -405,11 +384,25 @@ torch::Tensor amx_silu_mul_linear(const torch::Tensor& x, const torch::Tensor& t
   return tiles_product(x, tiles, out_features, bias, true);
 }
 
-// amx_linear, or gated amx_silu_mul_linear, with W in GGUF records (records_product): the same bits as on the
-// weights dequantized to float32 and rounded to bfloat16.
+// amx_linear, or gated amx_silu_mul_linear, with W in GGUF records: uint8 [ceil(out_features / 16), in_features / 32,
+// record bytes] in `format` "q4_1" or "q8_0" (loom/model/quantized.py pack_records, step_pairs). The same bits as on
+// the weights dequantized to float32 and rounded to bfloat16.
 torch::Tensor amx_quantized_linear(const torch::Tensor& x, const torch::Tensor& records, const std::string& format,
                                    int64_t out_features, const std::optional<torch::Tensor>& bias, bool gated) {
-  return records_product(x, records, format, out_features, bias, gated);
+  const int64_t record_bytes = loom::gguf::record_bytes(format);
+  TORCH_CHECK(records.device().is_cpu() && records.dim() == 3 && records.scalar_type() == torch::kUInt8 &&
+                  records.is_contiguous() && records.size(2) == record_bytes,
+              "records must be a contiguous uint8 [num_panels, in_features / 32, ", record_bytes, "] CPU tensor");
+  return amx_product(x, records.size(0), records.size(1), out_features, bias, gated,
+                     [&](const torch::Tensor& xc, const float* b, torch::Tensor& y, const uint16_t* silu_table) {
+                       auto run = [&](const auto& weights) {
+                         amx_linear_impl(xc.data_ptr<bf16>(), xc.size(0), xc.size(1), weights, b, y.data_ptr<bf16>(),
+                                         out_features, silu_table);
+                       };
+                       const uint8_t* data = records.data_ptr<uint8_t>();
+                       if (format == "q4_1") run(RecordTiles<Q4_1Tiles>{data, records.size(1)});
+                       else run(RecordTiles<Q8_0Tiles>{data, records.size(1)});
+                     });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

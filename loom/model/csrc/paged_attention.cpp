@@ -139,19 +139,21 @@ struct DecodeScratch {
   }
 };
 
+// Which of the kLanes positions from t0 lie inside a context of len tokens.
+inline auto in_context(int64_t t0, int64_t len) {
+  return Vec{0, 1, 2, 3, 4, 5, 6, 7} + static_cast<float>(t0) < static_cast<float>(len);
+}
+
 // A head's largest score among its first len (the rest of the padded_len are masked).
 inline float max_score(const float* s, int64_t len, int64_t padded_len) {
-  const Vec lane = Vec{0, 1, 2, 3, 4, 5, 6, 7};
   Vec m = splat(kMasked);
-  for (int64_t t0 = 0; t0 < padded_len; t0 += kLanes)
-    m = vmax(m, lane + static_cast<float>(t0) < static_cast<float>(len) ? load(s + t0) : splat(kMasked));
+  for (int64_t t0 = 0; t0 < padded_len; t0 += kLanes) m = vmax(m, in_context(t0, len) ? load(s + t0) : splat(kMasked));
   return loom::max_lanes(m);
 }
 
 // A head's scores [t0, t0 + kLanes) in place -> exp(score - max), 0 past len; returned too, for the sum.
 inline Vec exp_scores(float* s, int64_t t0, int64_t len, float max) {
-  const Vec lane = Vec{0, 1, 2, 3, 4, 5, 6, 7};
-  const Vec p = lane + static_cast<float>(t0) < static_cast<float>(len) ? exp_nonpositive(load(s + t0) - max) : Vec{};
+  const Vec p = in_context(t0, len) ? exp_nonpositive(load(s + t0) - max) : Vec{};
   std::memcpy(s + t0, &p, sizeof p);
   return p;
 }

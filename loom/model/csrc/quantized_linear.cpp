@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "gguf_records.h"
 #include "packed_tile.h"
 
 #include <algorithm>
@@ -43,7 +44,7 @@ inline __m256 load_half8(const uint8_t* p) {
 }
 
 struct Q4_1 {
-  static constexpr int64_t kRecordBytes = 2 * 2 * kPanel + kBlock * kPanel / 2;  // 320: 5 bits a weight
+  static constexpr int64_t kRecordBytes = loom::gguf::kQ4_1RecordBytes;
   static Scales scales(const uint8_t* record) {
     return {load_half8(record), load_half8(record + 16), load_half8(record + 32), load_half8(record + 48)};
   }
@@ -58,7 +59,7 @@ struct Q4_1 {
 };
 
 struct Q8_0 {
-  static constexpr int64_t kRecordBytes = 2 * kPanel + kBlock * kPanel;  // 544: 8.5 bits a weight
+  static constexpr int64_t kRecordBytes = loom::gguf::kQ8_0RecordBytes;
   static Scales scales(const uint8_t* record) {
     return {load_half8(record), load_half8(record + 16), _mm256_setzero_ps(), _mm256_setzero_ps()};
   }
@@ -201,8 +202,7 @@ torch::Tensor quantized_linear(const torch::Tensor& x_in, const torch::Tensor& r
                                int64_t out_features, const std::optional<torch::Tensor>& bias) {
   check_x(x_in, "quantized_linear");
   TORCH_CHECK(records.device().is_cpu(), "quantized_linear runs on CPU");
-  TORCH_CHECK(format == "q4_1" || format == "q8_0", "format must be 'q4_1' or 'q8_0', not '", format, "'");
-  const int64_t record_bytes = format == "q4_1" ? Q4_1::kRecordBytes : Q8_0::kRecordBytes;
+  const int64_t record_bytes = loom::gguf::record_bytes(format);
   TORCH_CHECK(records.dim() == 3 && records.scalar_type() == torch::kUInt8 && records.is_contiguous() &&
                   records.size(2) == record_bytes,
               "records must be a contiguous uint8 [num_panels, in_features / 32, ", record_bytes, "] tensor");
