@@ -23,13 +23,15 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-7 all 16 rows x 64 bytes: 16 x 16 float32 sums, or 16 x 32 bfloat16 operands. Tile state is per thread,
-// and other code (oneDNN) may configure it differently between our calls, so each kernel configures before use.
-inline void configure_tiles() {
+// Tiles 0-7 all 64 bytes wide: 16 x 16 float32 sums, or 16 x 32 bfloat16 operands. Tiles 6-7 have 16 rows; tiles
+// 0-5 have `x_rows` (the matmul's sums and x tiles when all of x is one block of fewer than 16 rows; 16 otherwise).
+// Tile state is per thread, and other code (oneDNN) may configure it differently between our calls, so each kernel
+// configures before use.
+inline void configure_tiles(int x_rows = 16) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.colsb[t] = 64;
-    config.rows[t] = 16;
+    config.rows[t] = t < 6 ? x_rows : 16;
   }
   _tile_loadconfig(&config);
 }
