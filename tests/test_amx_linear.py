@@ -1,8 +1,12 @@
-"""The AMX bfloat16 matmul kernel against a float64 reference, its batch invariance, its tile layout, GGUF blocks
-dequantized into its tiles (the bits of their bfloat16 weights), and how the matmul backend chooses it. Kernel tests
-skip on CPUs without AMX-BF16; the layout and choice tests run anywhere."""
+"""The AMX bfloat16 matmul kernel against a float64 reference, its batch invariance, its reads of x (in place, no
+further than x), its tile layout, GGUF blocks dequantized into its tiles (the bits of their bfloat16 weights), and how
+the matmul backend chooses it. Kernel tests skip on CPUs without AMX-BF16; the layout and choice tests run anywhere."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,6 +84,41 @@ def test_amx_rows_do_not_depend_on_the_batch(amx, out_features):
     for lo, hi in [(3, 10), (0, 17), (40, 73), (100, 300)]:
         assert torch.equal(linear(batch[lo:hi]), together[lo:hi])
     assert torch.equal(linear(batch.flip(0)), together.flip(0))
+
+
+# Run in a child process, which a read past x kills with SIGSEGV: x of 3 rows ends exactly where an unreadable page
+# begins, then goes through the dense and the GGUF-block AMX matmuls.
+READS_STOP_AT_X = r"""
+import ctypes, mmap, sys
+import torch
+from loom.model.linear import make_matmul
+sys.path.insert(0, sys.argv[1])
+from conftest import random_quantized
+
+rows, in_features, out_features = 3, 576, 96
+page = mmap.PAGESIZE
+memory = mmap.mmap(-1, 2 * page)
+start = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+if ctypes.CDLL(None).mprotect(ctypes.c_void_p(start + page), ctypes.c_size_t(page), 0) != 0:  # PROT_NONE
+    sys.exit("mprotect failed")
+nbytes = rows * in_features * 2
+x = torch.frombuffer(memory, dtype=torch.bfloat16, count=rows * in_features, offset=page - nbytes)
+x = x.view(rows, in_features)
+x.copy_(torch.randn(rows, in_features).bfloat16())
+quantized, dense = random_quantized("q4_1", out_features, in_features, seed=0)
+for linear in (make_matmul("auto", "none", torch.bfloat16).linear(dense.bfloat16()),
+               make_matmul("auto", "gguf", torch.bfloat16).linear(dense.bfloat16(), None, quantized)):
+    assert torch.equal(linear(x), linear(x.clone())), type(linear).__name__
+print("read in place, up to x's last row")
+"""
+
+
+def test_amx_reads_x_of_few_rows_in_place_and_no_further(amx):
+    """x of fewer than 16 rows is read where it lies, by tiles of just its rows: a 16-row tile would read past it."""
+    done = subprocess.run([sys.executable, "-c", READS_STOP_AT_X, str(Path(__file__).parent)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "read in place" in done.stdout
 
 
 def test_amx_linear_keeps_leading_dimensions_and_rejects_bad_inputs(amx):
