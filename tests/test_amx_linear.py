@@ -1,5 +1,5 @@
-"""The AMX bfloat16 matmul kernel against a float64 reference, its batch invariance, its reads of x (in place, no
-further than x), its tile layout, GGUF blocks dequantized into its tiles (the bits of their bfloat16 weights), and how
+"""The AMX bfloat16 matmul kernel against a float64 reference, its batch invariance, its reads of x (no further than
+x's last row), its tile layout, GGUF blocks dequantized into its tiles (the bits of their bfloat16 weights), and how
 the matmul backend chooses it. Kernel tests skip on CPUs without AMX-BF16; the layout and choice tests run anywhere."""
 
 from __future__ import annotations
@@ -109,16 +109,16 @@ quantized, dense = random_quantized("q4_1", out_features, in_features, seed=0)
 for linear in (make_matmul("auto", "none", torch.bfloat16).linear(dense.bfloat16()),
                make_matmul("auto", "gguf", torch.bfloat16).linear(dense.bfloat16(), None, quantized)):
     assert torch.equal(linear(x), linear(x.clone())), type(linear).__name__
-print("read in place, up to x's last row")
+print("read up to x's last row")
 """
 
 
-def test_amx_reads_x_of_few_rows_in_place_and_no_further(amx):
-    """x of fewer than 16 rows is read where it lies, by tiles of just its rows: a 16-row tile would read past it."""
+def test_amx_reads_x_of_few_rows_no_further_than_its_last_row(amx):
+    """x of fewer than 16 rows is read in place by tiles of just its rows: a 16-row tile would read past its end."""
     done = subprocess.run([sys.executable, "-c", READS_STOP_AT_X, str(Path(__file__).parent)], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
-    assert "read in place" in done.stdout
+    assert "read up to" in done.stdout
 
 
 def test_amx_linear_keeps_leading_dimensions_and_rejects_bad_inputs(amx):
