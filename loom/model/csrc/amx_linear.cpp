@@ -256,7 +256,7 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const Wei
   const int64_t x_tile_rows = num_blocks == 1 ? rows : kRows;
   const int64_t copied_from = in_place ? rows / x_tile_rows * x_tile_rows : 0;
   if (copied_from < rows) {
-    padded.assign((num_blocks * kRows - copied_from) * padded_k, bf16{});
+    padded.assign((num_blocks * x_tile_rows - copied_from) * padded_k, bf16{});
     for (int64_t r = copied_from; r < rows; ++r)
       std::memcpy(padded.data() + (r - copied_from) * padded_k, x + r * in_features, in_features * sizeof(bf16));
   }
@@ -394,10 +394,7 @@ torch::Tensor amx_silu_mul_linear(const torch::Tensor& x, const torch::Tensor& t
 // the weights dequantized to float32 and rounded to bfloat16.
 torch::Tensor amx_quantized_linear(const torch::Tensor& x, const torch::Tensor& records, const std::string& format,
                                    int64_t out_features, const std::optional<torch::Tensor>& bias, bool gated) {
-  const int64_t record_bytes = loom::gguf::record_bytes(format);
-  TORCH_CHECK(records.device().is_cpu() && records.dim() == 3 && records.scalar_type() == torch::kUInt8 &&
-                  records.is_contiguous() && records.size(2) == record_bytes,
-              "records must be a contiguous uint8 [num_panels, in_features / 32, ", record_bytes, "] CPU tensor");
+  loom::gguf::check_records(records, format);
   return amx_product(x, records.size(0), records.size(1), out_features, bias, gated,
                      [&](const torch::Tensor& xc, const float* b, torch::Tensor& y, const uint16_t* silu_table) {
                        auto run = [&](const auto& weights) {

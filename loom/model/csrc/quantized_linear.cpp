@@ -201,11 +201,7 @@ void quantized_linear_impl(const X* x, const uint8_t* records, const float* bias
 torch::Tensor quantized_linear(const torch::Tensor& x_in, const torch::Tensor& records, const std::string& format,
                                int64_t out_features, const std::optional<torch::Tensor>& bias) {
   check_x(x_in, "quantized_linear");
-  TORCH_CHECK(records.device().is_cpu(), "quantized_linear runs on CPU");
-  const int64_t record_bytes = loom::gguf::record_bytes(format);
-  TORCH_CHECK(records.dim() == 3 && records.scalar_type() == torch::kUInt8 && records.is_contiguous() &&
-                  records.size(2) == record_bytes,
-              "records must be a contiguous uint8 [num_panels, in_features / 32, ", record_bytes, "] tensor");
+  loom::gguf::check_records(records, format);
   TORCH_CHECK(records.size(1) * kBlock == x_in.size(1), "x has ", x_in.size(1), " features, the weight expects ",
               records.size(1) * kBlock);
   TORCH_CHECK(records.size(0) == (out_features + kPanel - 1) / kPanel, "out_features does not match the records");
