@@ -47,11 +47,12 @@ def obvious_decode(q, k_cache, v_cache, tables, lens, scale):
 )
 def test_kernel_matches_obvious_attention(kernel, dtype, heads, kv_heads, head_dim, block_size):
     gen = torch.Generator().manual_seed(0)
-    num_blocks, seqs = 1000, 9
+    lens = torch.tensor([1, 2, block_size, block_size + 1, 37, 90, 5, 8, 17, 300])  # whole and part 8-token groups
+    max_blocks = int(-(-lens.max() // block_size)) + 2  # tables padded past each context, as the engine pads them
+    seqs = len(lens)
+    num_blocks = seqs * max_blocks + 1
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    lens = torch.tensor([1, 2, block_size, block_size + 1, 37, 90, 5, 8, 17])  # whole and part 8-token groups
-    max_blocks = int(-(-lens.max() // block_size)) + 2  # tables padded past each context, as the engine pads them
     tables = torch.randperm(num_blocks - 1, generator=gen)[: seqs * max_blocks].view(seqs, max_blocks) + 1
     q = torch.randn(seqs, heads, head_dim, generator=gen).to(dtype)
     out = torch.full_like(q, float("nan"))
@@ -59,17 +60,19 @@ def test_kernel_matches_obvious_attention(kernel, dtype, heads, kv_heads, head_d
     expected = obvious_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
-    # Few sequences: the kernel splits each by KV head so that every thread has work.
-    few = torch.full_like(q[4:6], float("nan"))
-    kernel.decode_attention(q[4:6].contiguous(), k_cache, v_cache, tables[4:6], lens[4:6], few, head_dim**-0.5)
-    torch.testing.assert_close(few.float(), expected[4:6], atol=tol, rtol=tol)
+    # Few sequences: two of unequal lengths, or one alone, whose halves go to two threads (bfloat16 with AVX-512):
+    # the same bits as in the batch.
+    for rows in (slice(4, 6), slice(9, 10)):
+        few = torch.full_like(q[rows], float("nan"))
+        kernel.decode_attention(q[rows].contiguous(), k_cache, v_cache, tables[rows], lens[rows], few, head_dim**-0.5)
+        assert torch.equal(few, out[rows])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_contexts_are_chunked_with_the_same_bits_in_any_batch(kernel, dtype):
     """Long contexts are attended in chunks merged at the end (so one long sequence keeps every thread busy: 256
     or 512 tokens, by the build's vector width); the chunks depend on the length alone, so a sequence gets the same
-    bits alone and in a batch of 20."""
+    bits alone and in a batch of 20, on any number of threads (alone, a chunk's halves may go to two threads)."""
     gen = torch.Generator().manual_seed(1)
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     lens = torch.tensor([513, 600, 256, 1100, 5, 1024, 300, 1, 257, 1537] * 2)  # 1-7 chunks of 256, 1-4 of 512
@@ -84,11 +87,45 @@ def test_long_contexts_are_chunked_with_the_same_bits_in_any_batch(kernel, dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(batch.float(), obvious_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5),
                                atol=tol, rtol=tol)
-    for i in range(10):
-        alone = torch.full_like(q[i:i + 1], float("nan"))
-        kernel.decode_attention(q[i:i + 1].contiguous(), k_cache, v_cache, tables[i:i + 1], lens[i:i + 1], alone,
-                                head_dim**-0.5)
-        assert torch.equal(alone, batch[i:i + 1]), f"context {int(lens[i])}"
+    threads = torch.get_num_threads()
+    try:  # alone, a sequence's chunks and their halves go to threads as they share out: the bits stay
+        for num_threads in (1, 2, 3, 4):
+            torch.set_num_threads(num_threads)
+            for i in range(10):
+                alone = torch.full_like(q[i:i + 1], float("nan"))
+                kernel.decode_attention(q[i:i + 1].contiguous(), k_cache, v_cache, tables[i:i + 1], lens[i:i + 1],
+                                        alone, head_dim**-0.5)
+                assert torch.equal(alone, batch[i:i + 1]), f"context {int(lens[i])}, {num_threads} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("length", [40, 300, 600])
+def test_a_lone_sequence_gets_its_batch_bits_on_any_threads(kernel, length):
+    """Alone (a step of few items), each half of a sequence's chunk may go to its own thread and the halves' sums are
+    added at the end: the same sums as one thread's, so the same bits as in a full batch. bfloat16 outputs hide most
+    float32 differences, so many queries: 64 on one context, alone on 1-4 threads against the batch of all 64."""
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, head_dim, block_size, seqs = 9, 3, 64, 16, 64
+    max_blocks = length // block_size + 2
+    k_cache = torch.randn(max_blocks + 1, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    v_cache = torch.randn(max_blocks + 1, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    tables = (torch.randperm(max_blocks, generator=gen) + 1).expand(seqs, max_blocks).contiguous()
+    lens = torch.full((seqs,), length)
+    q = (3 * torch.randn(seqs, heads, head_dim, generator=gen)).bfloat16()
+    batch = torch.full_like(q, float("nan"))
+    kernel.decode_attention(q, k_cache, v_cache, tables, lens, batch, head_dim**-0.5)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2, 3, 4):
+            torch.set_num_threads(num_threads)
+            alone = torch.full_like(q, float("nan"))
+            for i in range(seqs):
+                kernel.decode_attention(q[i:i + 1], k_cache, v_cache, tables[i:i + 1], lens[i:i + 1], alone[i:i + 1],
+                                        head_dim**-0.5)
+            assert torch.equal(alone, batch), f"{num_threads} threads"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_kernel_rejects_bad_lengths(kernel):
