@@ -427,8 +427,10 @@ void bf16_scores(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10
 }
 
 // The value walk of an item's tokens [lo, hi) (the item: [begin, end), its scores at scores[h * padded_len + t -
-// begin]): exp(score - head_max[h]) in place, and for each local query head the sum of those exps (sums[h]) and of
-// the values weighted by them, in order (acc[h * head_dim + d]). Empty when lo == hi: zeros.
+// begin]): exp(score - head_max[h]) in place, and for each local query head the sum of those exps and of the values
+// weighted by them, in order: tokens [lo, split) to sums[h] and acc_out[h * head_dim + d], tokens [split, hi) apart
+// to split_sums and split_acc (null when split == hi). An empty range's sums are zeros. Both ranges in one walk: its
+// prefetches run on across the split (two walks, the second starting cold, cost 3-4% at 64 sequences).
 // One KV head at a time, a cache block at a time; each 32-value vector of a row split into its even and odd values
 // as float32 (a shift and a mask: no widening shuffle), GROUP x 2 KD accumulators in registers, put back in order at
 // the end (the same sums, in the same order, as widening in order).
@@ -438,58 +440,64 @@ void bf16_scores(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10
 // / 1.308 / 1.307 ms a layer; 48 x 300, 64 x 128 and 8 x 1024 within the noise; 1 x 512 0.022-0.023 -> 0.023-0.025.
 template <int KD, int GROUP>
 void bf16_values(const c10::BFloat16* v_cache, const int64_t* table, int64_t begin, int64_t end, int64_t lo,
-                 int64_t hi, const PagedGeometry& g, float* scores, const float* head_max, float* acc_out,
-                 float* sums) {
+                 int64_t split, int64_t hi, const PagedGeometry& g, float* scores, const float* head_max,
+                 float* acc_out, float* sums, float* split_acc, float* split_sums) {
   using bf16 = c10::BFloat16;
   constexpr int64_t kDim = 32 * KD;
   const int64_t len = end - begin, padded_len = round_up(len, kLanes), block_elems = g.block_size * g.row_size;
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   const __m512i first_half = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i second_half = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  const int64_t segment_end[2] = {split, hi};
+  float* const segment_acc[2] = {acc_out, split_acc};
+  float* const segment_sums[2] = {sums, split_sums};
   for (int64_t kv = 0; kv < g.num_kv_heads; ++kv) {
     const bf16* head_cache = v_cache + kv * kDim;
-    __m512 acc[GROUP][2 * KD];  // [h][2u]: the even values of vector u, [h][2u + 1] the odd ones
-    for (int h = 0; h < GROUP; ++h)
-      for (int u = 0; u < 2 * KD; ++u) acc[h][u] = _mm512_setzero_ps();
     float* p_first = scores + kv * GROUP * padded_len;
-    Vec sum[GROUP] = {};
-    int64_t exps_to = lo - begin;  // the group's exps are taken for positions [lo - begin, exps_to)
-    for (int64_t t0 = lo; t0 < hi;) {
-      const int64_t block = t0 / g.block_size, offset = t0 % g.block_size;
-      const int64_t rows = std::min(g.block_size - offset, hi - t0);
-      for (; exps_to < t0 - begin + rows; exps_to += kLanes)
-        for (int h = 0; h < GROUP; ++h)
-          sum[h] += exp_scores(p_first + h * padded_len, exps_to, len, head_max[kv * GROUP + h]);
-      const bf16* rows_at = head_cache + table[block] * block_elems;
-      // While row r of this block is read, row r of the block kAhead on is prefetched (see RowWalker).
-      const char* ahead = (block + kAhead) * g.block_size < hi
-                              ? reinterpret_cast<const char*>(head_cache + table[block + kAhead] * block_elems)
-                              : nullptr;
-      for (int64_t r = offset; r < offset + rows; ++r) {
-        const bf16* row = rows_at + r * g.row_size;
-        if (ahead)
-          for (int64_t b = 0; b < kDim * 2; b += 64) __builtin_prefetch(ahead + r * g.row_size * 2 + b);
-        __m512 v[2 * KD];
-        for (int u = 0; u < KD; ++u) {
-          const __m512i bits = _mm512_loadu_si512(row + u * 32);
-          v[2 * u] = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-          v[2 * u + 1] = _mm512_castsi512_ps(_mm512_and_si512(bits, high_half));
+    int64_t t0 = lo, exps_to = lo - begin;  // the group's exps are taken for positions [lo - begin, exps_to)
+    for (int segment = 0; segment < (split_acc ? 2 : 1); ++segment) {
+      __m512 acc[GROUP][2 * KD];  // [h][2u]: the even values of vector u, [h][2u + 1] the odd ones
+      for (int h = 0; h < GROUP; ++h)
+        for (int u = 0; u < 2 * KD; ++u) acc[h][u] = _mm512_setzero_ps();
+      Vec sum[GROUP] = {};
+      while (t0 < segment_end[segment]) {
+        const int64_t block = t0 / g.block_size, offset = t0 % g.block_size;
+        const int64_t rows = std::min(g.block_size - offset, segment_end[segment] - t0);
+        for (; exps_to < t0 - begin + rows; exps_to += kLanes)
+          for (int h = 0; h < GROUP; ++h)
+            sum[h] += exp_scores(p_first + h * padded_len, exps_to, len, head_max[kv * GROUP + h]);
+        const bf16* rows_at = head_cache + table[block] * block_elems;
+        // While row r of this block is read, row r of the block kAhead on is prefetched (see RowWalker), across the
+        // split too.
+        const char* ahead = (block + kAhead) * g.block_size < hi
+                                ? reinterpret_cast<const char*>(head_cache + table[block + kAhead] * block_elems)
+                                : nullptr;
+        for (int64_t r = offset; r < offset + rows; ++r) {
+          const bf16* row = rows_at + r * g.row_size;
+          if (ahead)
+            for (int64_t b = 0; b < kDim * 2; b += 64) __builtin_prefetch(ahead + r * g.row_size * 2 + b);
+          __m512 v[2 * KD];
+          for (int u = 0; u < KD; ++u) {
+            const __m512i bits = _mm512_loadu_si512(row + u * 32);
+            v[2 * u] = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+            v[2 * u + 1] = _mm512_castsi512_ps(_mm512_and_si512(bits, high_half));
+          }
+          const int64_t t = t0 - begin + r - offset;
+          for (int h = 0; h < GROUP; ++h) {
+            const __m512 p = _mm512_set1_ps(p_first[h * padded_len + t]);
+            for (int u = 0; u < 2 * KD; ++u) acc[h][u] = _mm512_fmadd_ps(p, v[u], acc[h][u]);
+          }
         }
-        const int64_t t = t0 - begin + r - offset;
-        for (int h = 0; h < GROUP; ++h) {
-          const __m512 p = _mm512_set1_ps(p_first[h * padded_len + t]);
-          for (int u = 0; u < 2 * KD; ++u) acc[h][u] = _mm512_fmadd_ps(p, v[u], acc[h][u]);
-        }
+        t0 += rows;
       }
-      t0 += rows;
-    }
-    for (int h = 0; h < GROUP; ++h) {
-      const int64_t local = kv * GROUP + h;
-      sums[local] = loom::sum_lanes(sum[h]);
-      float* a = acc_out + local * kDim;
-      for (int u = 0; u < KD; ++u) {
-        _mm512_storeu_ps(a + u * 32, _mm512_permutex2var_ps(acc[h][2 * u], first_half, acc[h][2 * u + 1]));
-        _mm512_storeu_ps(a + u * 32 + 16, _mm512_permutex2var_ps(acc[h][2 * u], second_half, acc[h][2 * u + 1]));
+      for (int h = 0; h < GROUP; ++h) {
+        const int64_t local = kv * GROUP + h;
+        segment_sums[segment][local] = loom::sum_lanes(sum[h]);
+        float* a = segment_acc[segment] + local * kDim;
+        for (int u = 0; u < KD; ++u) {
+          _mm512_storeu_ps(a + u * 32, _mm512_permutex2var_ps(acc[h][2 * u], first_half, acc[h][2 * u + 1]));
+          _mm512_storeu_ps(a + u * 32 + 16, _mm512_permutex2var_ps(acc[h][2 * u], second_half, acc[h][2 * u + 1]));
+        }
       }
     }
   }
@@ -536,9 +544,8 @@ void attend_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
   const int64_t mid = second_half(begin, end);
   float* acc = scratch.half_acc.data();
   float* sums = scratch.half_sums.data();
-  bf16_values<KD, GROUP>(v_cache, table, begin, end, begin, mid, g, scores, head_max, acc, sums);
-  bf16_values<KD, GROUP>(v_cache, table, begin, end, mid, end, g, scores, head_max, acc + num_q * kDim,
-                         sums + num_q);
+  bf16_values<KD, GROUP>(v_cache, table, begin, end, begin, mid, end, g, scores, head_max, acc, sums,
+                         acc + num_q * kDim, sums + num_q);
   add_halves(acc, sums, head_max, num_q, kDim, out, partial);
 }
 #endif
@@ -693,8 +700,8 @@ Bf16Decode bf16_decode_for(int64_t group) {
 struct Bf16Phases {
   void (*scores)(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, const int64_t*, int64_t, int64_t,
                  const PagedGeometry&, DecodeScratch&, float*, int64_t);
-  void (*values)(const c10::BFloat16*, const int64_t*, int64_t, int64_t, int64_t, int64_t, const PagedGeometry&,
-                 float*, const float*, float*, float*);
+  void (*values)(const c10::BFloat16*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                 const PagedGeometry&, float*, const float*, float*, float*, float*, float*);
 };
 
 // Bf16Phases for GQA groups of `group` query heads (up to 8) and KD vectors of 32 values a head; nulls otherwise.
@@ -815,8 +822,9 @@ void attend_in_halves(const Bf16Phases& phases, const c10::BFloat16* q, const c1
     for (const int64_t u : mine) {
       const Half x = half(u);
       item_max(u / 2, scratch.head_max.data());
-      phases.values(v_cache, block_tables + x.item.seq * g.max_blocks, x.item.begin, x.item.end, x.lo, x.hi, g,
-                    x.scores, scratch.head_max.data(), acc.data() + u * num_q * dim, sums.data() + u * num_q);
+      phases.values(v_cache, block_tables + x.item.seq * g.max_blocks, x.item.begin, x.item.end, x.lo, x.hi, x.hi,
+                    g, x.scores, scratch.head_max.data(), acc.data() + u * num_q * dim, sums.data() + u * num_q,
+                    nullptr, nullptr);
     }
 #pragma omp barrier
 #pragma omp for schedule(static)
