@@ -5,7 +5,9 @@
 // bfloat16 widened as it is loaded; nothing is gathered into a temporary. Scores: each head's dot products of eight
 // tokens are summed across lanes together (one transpose, vec.h) instead of one horizontal sum per token and head;
 // bfloat16 scores on AMX where the CPU has it (bf16_scores_by_tiles), and a
-// bfloat16 path of its own on CPUs with AVX2 alone (attend_decode_bf16_avx2). Math in float32.
+// bfloat16 path of its own on CPUs with AVX2 alone (attend_decode_bf16_avx2). Math in float32. With AVX-512 BF16, a
+// step whose items share out unevenly among the threads (a lone sequence) runs each item's halves on two threads
+// (attend_in_halves), with the same bits.
 //
 // Tried and slower here: computing eight rows at a time straight from the cache (the interleaved reads lost the
 // hardware prefetchers: 1.5-2.5x slower from memory), and widening a sequence's rows into a buffer first (its reads
@@ -866,7 +868,7 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
                    [](const DecodeItem& a, const DecodeItem& b) { return a.end - a.begin > b.end - b.begin; });
   std::vector<float> chunk_acc(num_chunks * g.num_heads * g.head_dim), chunk_max(num_chunks * g.num_heads),
       chunk_sum(num_chunks * g.num_heads);
-  // Where a chunk's results go before the merge (a whole context's: null, straight to `out`).
+  // Where a chunk's results go before the merge (a whole context's: none, straight to `out`).
   const auto partial_of = [&](const DecodeItem& it) -> std::optional<Partial> {
     if (it.chunk < 0) return std::nullopt;
     const int64_t first = it.chunk * g.num_heads;  // the chunk's first head
