@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -25,6 +27,17 @@ def obvious_decode(q, k_cache, v_cache, tables, lens, scale):
         scores = torch.einsum("hd,nhd->hn", q[i].float(), keys) * scale
         out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
     return out
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's (and so the kernels') thread count set to n inside the block, restored after it, failing or not."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(
@@ -87,17 +100,14 @@ def test_long_contexts_are_chunked_with_the_same_bits_in_any_batch(kernel, dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(batch.float(), obvious_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5),
                                atol=tol, rtol=tol)
-    threads = torch.get_num_threads()
-    try:  # alone, a sequence's chunks and their halves go to threads as they share out: the bits stay
-        for num_threads in (1, 2, 3, 4):
-            torch.set_num_threads(num_threads)
+    # Alone, a sequence's chunks and their halves go to threads as they share out: the bits stay.
+    for num_threads in (1, 2, 3, 4):
+        with torch_threads(num_threads):
             for i in range(10):
                 alone = torch.full_like(q[i:i + 1], float("nan"))
                 kernel.decode_attention(q[i:i + 1].contiguous(), k_cache, v_cache, tables[i:i + 1], lens[i:i + 1],
                                         alone, head_dim**-0.5)
                 assert torch.equal(alone, batch[i:i + 1]), f"context {int(lens[i])}, {num_threads} threads"
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("length", [40, 300, 600])
@@ -115,17 +125,13 @@ def test_a_lone_sequence_gets_its_batch_bits_on_any_threads(kernel, length):
     q = (3 * torch.randn(seqs, heads, head_dim, generator=gen)).bfloat16()
     batch = torch.full_like(q, float("nan"))
     kernel.decode_attention(q, k_cache, v_cache, tables, lens, batch, head_dim**-0.5)
-    threads = torch.get_num_threads()
-    try:
-        for num_threads in (1, 2, 3, 4):
-            torch.set_num_threads(num_threads)
+    for num_threads in (1, 2, 3, 4):
+        with torch_threads(num_threads):
             alone = torch.full_like(q, float("nan"))
             for i in range(seqs):
                 kernel.decode_attention(q[i:i + 1], k_cache, v_cache, tables[i:i + 1], lens[i:i + 1], alone[i:i + 1],
                                         head_dim**-0.5)
             assert torch.equal(alone, batch), f"{num_threads} threads"
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_kernel_rejects_bad_lengths(kernel):
@@ -229,19 +235,15 @@ def test_a_prompt_gets_the_same_bits_in_any_chunks(kernel, dtype):
     q = torch.randn(n, heads, head_dim, generator=gen).to(dtype)
     whole = torch.empty_like(q)
     kernel.prefill_attention(q, k_cache, v_cache, tables, torch.tensor([n]), torch.tensor([0, n]), 0, whole, 0.125)
-    threads = torch.get_num_threads()
-    try:
-        for num_threads in (1, 2):
-            torch.set_num_threads(num_threads)
+    for num_threads in (1, 2):
+        with torch_threads(num_threads):
             chunked = torch.empty_like(q)
             for lo, hi in [(0, 100), (100, 250), (250, 300)]:
                 part = torch.empty_like(q[lo:hi])
                 kernel.prefill_attention(q[lo:hi].contiguous(), k_cache, v_cache, tables, torch.tensor([hi]),
                                          torch.tensor([0, hi - lo]), 0, part, 0.125)
                 chunked[lo:hi] = part
-            assert torch.equal(chunked, whole)
-    finally:
-        torch.set_num_threads(threads)
+            assert torch.equal(chunked, whole), f"{num_threads} threads"
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
