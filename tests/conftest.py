@@ -5,6 +5,7 @@ Hugging Face transformers is the reference; its outputs are computed once per te
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from pathlib import Path
@@ -210,3 +211,14 @@ def random_quantized(fmt: str, out_features: int, in_features: int, seed: int) -
     blocks = quantize(w, GGML_TYPES[fmt])
     dense = torch.from_numpy(np.asarray(dequantize(blocks, GGML_TYPES[fmt]), dtype=np.float32))
     return QuantizedWeight(fmt, torch.from_numpy(np.ascontiguousarray(blocks))), dense
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's (and so the kernels') thread count set to n inside the block, restored after it, failing or not."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -19,7 +19,7 @@ from loom.model.linear import (AmxLinear, AmxQuantizedLinear, AmxQuantizedSiluMu
                                PackedLinear, SiluMulAfter, interleave_gate_up, make_matmul, pack_amx_tiles)
 from loom.model.quantized import concat_rows
 
-from conftest import random_quantized
+from conftest import random_quantized, torch_threads
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +86,25 @@ def test_amx_rows_do_not_depend_on_the_batch(amx, out_features):
     assert torch.equal(linear(batch.flip(0)), together.flip(0))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+def test_rows_split_among_threads_give_every_row_its_bits(amx, threads):
+    """Where each thread gets a whole 256-row pass, threads split the rows rather than the panels (a prefill, a big
+    MLP chunk): every row keeps the bits it gets in a batch of a few rows, in dense tiles and GGUF blocks, with 2 x 2
+    groups (70 outputs) and panel triples (96), and through the SiLU epilogue. 1100 rows: 69 row blocks, the last
+    one partial, split unevenly among 3 or 4 threads."""
+    gen = torch.Generator().manual_seed(threads)
+    batch = torch.randn(1100, 576, generator=gen).bfloat16()
+    quantized, dense = random_quantized("q4_1", 96, 576, seed=threads)
+    gate, up = (torch.randn(48, 576, generator=gen).bfloat16() for _ in range(2))
+    linears = [amx.linear(torch.randn(70, 576, generator=gen).bfloat16()),
+               make_matmul("auto", "gguf", torch.bfloat16).linear(dense.bfloat16(), None, quantized),
+               amx.silu_mul_linear(gate, up, None, None, make_layer_ops("auto").silu_mul)]
+    for linear in linears:
+        few = torch.cat([linear(rows) for rows in batch.split(40)])
+        with torch_threads(threads):
+            assert torch.equal(linear(batch), few), type(linear).__name__
+
+
 # Run in a child process, which a read past x kills with SIGSEGV: x of 3 rows ends exactly where an unreadable page
 # begins, then goes through the dense and the GGUF-block AMX matmuls.
 READS_STOP_AT_X = r"""
@@ -93,7 +112,7 @@ import ctypes, mmap, sys
 import torch
 from loom.model.linear import make_matmul
 sys.path.insert(0, sys.argv[1])
-from conftest import random_quantized
+from conftest import random_quantized, torch_threads
 
 rows, in_features, out_features = 3, 576, 96
 page = mmap.PAGESIZE

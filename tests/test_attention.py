@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from loom.model.attention import write_kv
 from loom.model.kernels import load_paged_attention
+
+from conftest import torch_threads
 
 
 @pytest.fixture(scope="module")
@@ -27,17 +27,6 @@ def obvious_decode(q, k_cache, v_cache, tables, lens, scale):
         scores = torch.einsum("hd,nhd->hn", q[i].float(), keys) * scale
         out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
     return out
-
-
-@contextlib.contextmanager
-def torch_threads(n: int):
-    """torch's (and so the kernels') thread count set to n inside the block, restored after it, failing or not."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(

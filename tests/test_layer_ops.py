@@ -7,7 +7,7 @@ import torch
 
 from loom.model.layer_ops import FusedLayerOps, TorchLayerOps, make_layer_ops
 from loom.model.linear import make_matmul
-from loom.model.llama import MLP_CHUNK_ROWS
+from loom.model.llama import MLP_CHUNK_ROWS_PER_THREAD
 
 
 @pytest.fixture(scope="module")
@@ -142,10 +142,11 @@ def test_unknown_layer_ops_is_a_clear_error():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_mlp_in_row_chunks_gives_the_same_bits(tiny_llama, dtype):
-    """A step's MLP goes MLP_CHUNK_ROWS rows at a time (so its intermediate stays in L2); each row's result is its
-    own, so 600 rows (two whole chunks and a part) give the bits of one pass over all of them."""
+    """A step's MLP goes MLP_CHUNK_ROWS_PER_THREAD rows a thread at a time (so its intermediate stays in L2); each
+    row's result is its own, so two whole chunks and a part give the bits of one pass over all of them."""
     model = tiny_llama.build(dtype, make_matmul("auto", "auto", dtype), make_layer_ops("auto"))
     layer = model.layers[0]
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2 * MLP_CHUNK_ROWS + 88, tiny_llama.config.hidden_size, generator=gen).to(dtype)
+    chunk_rows = MLP_CHUNK_ROWS_PER_THREAD * torch.get_num_threads()
+    x = torch.randn(2 * chunk_rows + 88, tiny_llama.config.hidden_size, generator=gen).to(dtype)
     assert torch.equal(model.mlp(layer, x), layer.down(layer.gate_up(x)))

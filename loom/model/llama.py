@@ -21,14 +21,15 @@ from loom.model.linear import Linear, MatmulBackend, SiluMulLinear
 from loom.model.quantized import QuantizedWeight, concat_rows
 
 
-# A step's MLP runs in chunks of this many rows, so that a chunk's gate/up product (256 x 2I: 1.5 MiB for SmolLM2)
-# is still in L2 when SiLU x up reads it (where SiLU x up is not the AMX matmul's epilogue) and its output when the
-# down projection does. With Loom's matmul kernels a row's result does not depend on the rows beside it, so chunks
-# change no bit (torch's F.linear may pick another kernel for 256 rows than for 2048, as it may for any batch). A
-# 2048-token prefill's forward, bfloat16 on AMX, alternating in one process, medians of 7: 541.5-589.6 -> 521.7-555.7
-# ms (SiLU x up 65-75 -> 46-47 ms, gate/up 117-133 -> 108-110); 512 and 1024 tokens the same within 1%; chunks of 128
-# rows slower. 512-row chunks (with 512-row passes in the AMX matmul) were no faster once SiLU x up moved into it.
-MLP_CHUNK_ROWS = 256
+# A step's MLP runs in chunks of this many rows a thread, so that a chunk's gate/up product (256 x 2I: 1.5 MiB for
+# SmolLM2) is still in L2 when SiLU x up reads it (where SiLU x up is not the AMX matmul's epilogue) and its output
+# when the down projection does. With Loom's matmul kernels a row's result does not depend on the rows beside it, so
+# chunks change no bit (torch's F.linear may pick another kernel for 256 rows than for 2048, as it may for any
+# batch). A 2048-token prefill's forward, bfloat16 on AMX, alternating in one process, medians of 7: 541.5-589.6 ->
+# 521.7-555.7 ms (SiLU x up 65-75 -> 46-47 ms, gate/up 117-133 -> 108-110); 512 and 1024 tokens the same within 1%;
+# chunks of 128 rows slower. Per thread since the AMX matmul splits rows, not panels, among threads that each get a
+# whole 256-row pass (csrc/amx_linear.cpp): each thread then keeps its own rows' product in its own L2 for down.
+MLP_CHUNK_ROWS_PER_THREAD = 256
 
 
 @dataclass
@@ -121,10 +122,11 @@ class LlamaModel:
         return hidden
 
     def mlp(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
-        """SwiGLU's down(SiLU(gate) * up) of x [T, hidden], in chunks of MLP_CHUNK_ROWS rows."""
-        if x.shape[0] <= MLP_CHUNK_ROWS:  # one chunk: no split, no copy (each op a layer costs µs in a decode step)
+        """SwiGLU's down(SiLU(gate) * up) of x [T, hidden], in chunks of MLP_CHUNK_ROWS_PER_THREAD rows a thread."""
+        chunk_rows = MLP_CHUNK_ROWS_PER_THREAD * torch.get_num_threads()
+        if x.shape[0] <= chunk_rows:  # one chunk: no split, no copy (each op a layer costs µs in a decode step)
             return layer.down(layer.gate_up(x))
-        return torch.cat([layer.down(layer.gate_up(rows)) for rows in x.split(MLP_CHUNK_ROWS)])
+        return torch.cat([layer.down(layer.gate_up(rows)) for rows in x.split(chunk_rows)])
 
     def layer_linears(self) -> list[Linear]:
         """Every matmul of the layers, in forward order (for matmul-only timing in benchmarks)."""
