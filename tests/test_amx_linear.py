@@ -91,7 +91,7 @@ def test_rows_split_among_threads_give_every_row_its_bits(amx, threads):
     """Where each thread gets a whole 256-row pass, threads split the rows rather than the panels (a prefill, a big
     MLP chunk): every row keeps the bits it gets in a batch of a few rows, in dense tiles and GGUF blocks, with 2 x 2
     groups (70 outputs) and panel triples (96), and through the SiLU epilogue. 1100 rows: 69 row blocks, the last
-    one partial, split unevenly among 3 or 4 threads."""
+    one partial, in runs of 17 to 35 blocks a thread on 2 to 4 threads (on one thread, as before)."""
     gen = torch.Generator().manual_seed(threads)
     batch = torch.randn(1100, 576, generator=gen).bfloat16()
     quantized, dense = random_quantized("q4_1", 96, 576, seed=threads)
@@ -112,7 +112,7 @@ import ctypes, mmap, sys
 import torch
 from loom.model.linear import make_matmul
 sys.path.insert(0, sys.argv[1])
-from conftest import random_quantized, torch_threads
+from conftest import random_quantized
 
 rows, in_features, out_features = 3, 576, 96
 page = mmap.PAGESIZE
