@@ -65,7 +65,7 @@ using loom::amx::configure_tiles;
 using loom::amx::Q4_1Tiles;
 using loom::amx::Q8_0Tiles;
 using loom::amx::request_amx;
-using loom::amx::round_to_bf16;
+using loom::round_to_bf16;
 
 // Where a row block of x starts and its row stride in bytes: x itself, or a zero-padded copy of its last,
 // partial block (AMX loads whole 16-row tiles).

@@ -1,6 +1,6 @@
 // What Loom's AMX kernels share (amx_linear.cpp, prefill_attention_amx.cpp, paged_attention.cpp): asking Linux for
-// the tile state, the tile config's layout, the square tile shape the matmul and prefill attention use, and the
-// rounding of their float32 results to bfloat16.
+// the tile state, the tile config's layout, the square tile shape the matmul and prefill attention use (their float32
+// results are rounded to bfloat16 by bfloat16.h's round_to_bf16).
 #pragma once
 
 #include <immintrin.h>
@@ -61,14 +61,5 @@ struct CacheLineAllocator {
 };
 template <typename T>
 using TileBuffer = std::vector<T, CacheLineAllocator<T>>;
-
-// Sixteen float32 lanes rounded to bfloat16, nearest even (bf16_high_bits of vec.h, sixteen at once; AVX-512, which
-// every AMX CPU has).
-inline __m256i round_to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
 
 }  // namespace loom::amx

@@ -4,6 +4,9 @@
 
 #include <torch/extension.h>
 #include <c10/util/BFloat16.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <cstdint>
 #include <cstring>
@@ -25,6 +28,19 @@ inline uint32_t bf16_bits(float x) {
   std::memcpy(&bits, &x, sizeof bits);
   return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
 }
+
+#if defined(__AVX512F__)
+// bf16_bits for sixteen lanes, before the shift: each lane's bits plus its nearest-even increment, so that the high
+// half of each lane is the lane rounded to bfloat16 (the low half is what is left over).
+inline __m512i bf16_rounding16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+}
+
+// Sixteen float32 lanes rounded to bfloat16, nearest even, as the bits to store.
+inline __m256i round_to_bf16(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounding16(v), 16)); }
+#endif
 
 // x stored as a T: unchanged for float, rounded for bfloat16.
 template <typename T>

@@ -49,18 +49,14 @@ inline __m512 load(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-// x rounded to nearest even at bfloat16's precision, as the high halves of the lanes (loom::bf16_bits, 16 at once).
-inline __m512i high_bits(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb);
-  return _mm512_and_si512(sum, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+// x rounded to bfloat16 and widened back (vec.h's round_bf16, 16 lanes).
+inline __m512 rounded(__m512 x) {
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  return _mm512_castsi512_ps(_mm512_and_si512(loom::bf16_rounding16(x), high_half));
 }
 
-inline __m512 rounded(__m512 x) { return _mm512_castsi512_ps(high_bits(x)); }
-
 inline void store(c10::BFloat16* p, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(high_bits(x), 16)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), loom::round_to_bf16(x));
 }
 
 // One row: hidden += delta (rounded, in place, when given), then out = weight * rounded(hidden * inv_rms).

@@ -322,7 +322,7 @@ void attend_tile(const bf16* q, int64_t t0, int64_t rows, int64_t first_pos, int
     transpose16x16(r);  // row n = query n's dims 16 u ..
     for (int64_t n = 0; n < rows; ++n)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + ((t0 + n) * g.num_heads + head) * head_dim + u * 16),
-                          loom::amx::round_to_bf16(_mm512_castsi512_ps(r[n])));
+                          loom::round_to_bf16(_mm512_castsi512_ps(r[n])));
   }
 }
 

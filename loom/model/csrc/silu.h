@@ -114,10 +114,7 @@ inline __m256i silu_mul_bits16(const uint16_t* table, __m256i gate, __m256i up) 
   const __m512i index = _mm512_cvtepu16_epi32(gate);
   const __m512i silu = _mm512_slli_epi32(_mm512_i32gather_epi32(index, table, 2), 16);
   const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(up), 16);
-  const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(silu), _mm512_castsi512_ps(u)));
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+  return round_to_bf16(_mm512_mul_ps(_mm512_castsi512_ps(silu), _mm512_castsi512_ps(u)));
 }
 #endif
 
