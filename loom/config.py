@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loom.model.attention import ATTENTION_BACKENDS
+from loom.model.kv_quant import KV_CACHE_DTYPES
 from loom.model.layer_ops import LAYER_OPS
 from loom.model.linear import MATMUL_BACKENDS, QUANTIZATIONS
 
@@ -55,6 +56,10 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory: int = 1 << 30
     enable_prefix_caching: bool = True  # continuous policy only; the static baseline never shares blocks
+    # "auto": K/V in the model's dtype; "int8": int8 codes with a scale per token and KV head (loom/model/kv_quant.py),
+    # about half the bytes of bfloat16: more tokens in the same memory and faster decode at long contexts, at the cost
+    # of outputs that differ a little from "auto"'s
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -63,6 +68,8 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be >= 2 (one is the reserved null block), got {self.num_kv_blocks}")
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom.model.attention import write_kv
+from loom.model.attention import KVCache, write_kv
 from loom.model.kernels import load_paged_attention
 
 from conftest import torch_threads
@@ -287,7 +287,7 @@ def test_kernel_write_kv_matches_index_copy(kernel, dtype):
     ours = [torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(2)]
     torchs = [c.clone() for c in ours]
     kernel.write_kv(k, v, *ours, slots)
-    write_kv(torchs, k, v, slots)
+    write_kv(KVCache(*torchs), k, v, slots)
     assert torch.equal(ours[0], torchs[0]) and torch.equal(ours[1], torchs[1])
     before = [c.clone() for c in ours]
     with pytest.raises(RuntimeError, match="outside the cache"):
@@ -317,7 +317,7 @@ def test_attend_step_is_the_store_and_both_kernels(kernel, num_decodes, chunks):
               for _ in range(2)]
     apart = [c.clone() for c in caches]
     lens_t, scale = torch.tensor(lens), head_dim**-0.5
-    out = kernel.attend_step(q, k, v, *caches, slots, tables, lens_t, starts, num_decodes, scale)
+    out = kernel.attend_step(q, k, v, *caches, None, None, slots, tables, lens_t, starts, num_decodes, scale)
     kernel.write_kv(k, v, *apart, slots)
     expected = torch.empty_like(q)
     if num_decodes:
@@ -330,5 +330,5 @@ def test_attend_step_is_the_store_and_both_kernels(kernel, num_decodes, chunks):
     assert torch.equal(caches[0], apart[0]) and torch.equal(caches[1], apart[1])
     before = [c.clone() for c in caches]
     with pytest.raises(RuntimeError, match="num_decodes"):
-        kernel.attend_step(q, k + 1, v + 1, *caches, slots, tables, lens_t, starts, len(lens) + 1, scale)
+        kernel.attend_step(q, k + 1, v + 1, *caches, None, None, slots, tables, lens_t, starts, len(lens) + 1, scale)
     assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])  # refused before any store

@@ -94,7 +94,8 @@ class LLMEngine:
         self.model_config = mcfg
         self.max_model_len = min(self.config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         cache = self.config.cache
-        kv_spec = KVCacheSpec(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, cache.block_size, self.config.dtype)
+        kv_spec = KVCacheSpec(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, cache.block_size, self.config.dtype,
+                              quantized=cache.kv_cache_dtype == "int8")
         num_blocks = cache.num_kv_blocks or kv_spec.num_blocks_for_memory(cache.kv_cache_memory)
         self.pool = BlockPool(num_blocks)
         # An engine that read the weights itself is their only user: the model may consume them as it builds, so

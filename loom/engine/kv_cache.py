@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loom.model.attention import KVCache
+
 NULL_BLOCK = 0
 
 
@@ -141,19 +143,24 @@ class BlockPool:
 
 @dataclass
 class KVCacheSpec:
-    """Shape of one layer's K (or V) cache: [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Shape of one layer's K (or V) cache: [num_blocks, block_size, num_kv_heads, head_dim] of `dtype`, or with
+    `quantized` of int8 codes and a float32 scale per token and KV head (kv_cache_dtype "int8", kv_quant.py)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    quantized: bool = False
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token in every layer."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        """K and V of one token in every layer (scales included)."""
+        if self.quantized:
+            per_head = self.head_dim + 4
+        else:
+            per_head = self.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
     @property
     def bytes_per_block(self) -> int:
@@ -162,10 +169,12 @@ class KVCacheSpec:
     def num_blocks_for_memory(self, memory_bytes: int) -> int:
         return max(2, memory_bytes // self.bytes_per_block)
 
-    def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One (K, V) pair of zeroed tensors per layer."""
+    def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> list[KVCache]:
+        """One KVCache of zeroed tensors per layer."""
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return [
-            (torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
-            for _ in range(self.num_layers)
-        ]
+        if not self.quantized:
+            return [KVCache(torch.zeros(shape, dtype=self.dtype, device=device),
+                            torch.zeros(shape, dtype=self.dtype, device=device)) for _ in range(self.num_layers)]
+        return [KVCache(*(torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(2)),
+                        *(torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in range(2)))
+                for _ in range(self.num_layers)]

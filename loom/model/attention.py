@@ -14,17 +14,32 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from types import ModuleType
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from loom.model.kernels import kernel_for, load_paged_attention
+from loom.model.kv_quant import dequantize_heads, quantize_heads
 
 if TYPE_CHECKING:
     from loom.engine.batch import BatchMetadata
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+class KVCache(NamedTuple):
+    """One layer's paged caches, K and V each [num_blocks, block_size, num_kv_heads, head_dim] of the model's dtype,
+    or of int8 codes with float32 scales [num_blocks, block_size, num_kv_heads] (kv_quant.py; None otherwise)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scales: torch.Tensor | None = None
+    v_scales: torch.Tensor | None = None
+
+    def blocks(self, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole blocks, [len(block_ids), block_size, num_kv_heads, head_dim] each, as `dtype`."""
+        if self.k_scales is None:
+            return self.k[block_ids].to(dtype), self.v[block_ids].to(dtype)
+        return (dequantize_heads(self.k[block_ids], self.k_scales[block_ids]).to(dtype),
+                dequantize_heads(self.v[block_ids], self.v_scales[block_ids]).to(dtype))
 
 
 class AttentionBackend(Protocol):
@@ -35,15 +50,20 @@ class AttentionBackend(Protocol):
 
 
 def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store each new token's K/V at its slot (block * block_size + offset); nothing else is copied."""
-    k_cache, v_cache = kv_cache
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    """Store each new token's K/V at its slot (block * block_size + offset), quantized for an int8 cache; nothing
+    else is copied."""
+    for cache, scales, rows in ((kv_cache.k, kv_cache.k_scales, k), (kv_cache.v, kv_cache.v_scales, v)):
+        if scales is not None:
+            rows, row_scales = quantize_heads(rows)
+            scales.view(-1, scales.shape[2]).index_copy_(0, slot_mapping, row_scales)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, rows)
 
 
-def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-    """K or V of one sequence's first `length` tokens, [length, KVH, D], read through its block table."""
-    return cache[block_ids].flatten(0, 1)[:length]
+def _gather_context(kv_cache: KVCache, block_ids: torch.Tensor, length: int,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence's first `length` tokens, [length, KVH, D] each as `dtype`, through its block table."""
+    keys, values = kv_cache.blocks(block_ids, dtype)
+    return keys.flatten(0, 1)[:length], values.flatten(0, 1)[:length]
 
 
 def _prefill_chunks(
@@ -51,17 +71,17 @@ def _prefill_chunks(
 ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """For each prompt chunk: its rows [start, end) and the K/V of its whole context, [ctx, KVH, D] each.
 
-    A first chunk's context is the chunk itself (the fresh k/v rows); a later one's is read back from the cache.
+    A first chunk's context is the chunk itself (the fresh k/v rows); a later one's is read back from the cache, as
+    is every chunk's from an int8 cache (so that a chunk sees its own K/V as the chunks after it will).
     """
-    k_cache, v_cache = kv_cache
     for i in range(meta.num_decodes, meta.num_seqs):
         start, end = meta.query_starts[i], meta.query_starts[i + 1]
         ctx = meta.context_lens_host[i]
-        if ctx == end - start:
+        if ctx == end - start and kv_cache.k_scales is None:
             yield start, end, k[start:end], v[start:end]
         else:
             blocks = meta.block_tables[i, : meta.num_blocks_host[i]]
-            yield start, end, _gather_context(k_cache, blocks, ctx), _gather_context(v_cache, blocks, ctx)
+            yield start, end, *_gather_context(kv_cache, blocks, ctx, k.dtype)
 
 
 class PagedAttention:
@@ -92,13 +112,13 @@ class SdpaAttention(PagedAttention):
 
     def attend_decodes(self, q, kv_cache: KVCache, meta: BatchMetadata, scale: float, out: torch.Tensor) -> None:
         """Rows [0, num_decodes): one query token each."""
-        k_cache, v_cache = kv_cache
         nd, num_heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
-        num_kv_heads = k_cache.shape[2]
+        num_kv_heads = kv_cache.k.shape[2]
         # Queries of one KV head's group act as that head's query rows: exact GQA, no K/V repeat.
         tables = meta.block_tables[:nd, : meta.decode_max_blocks].flatten()
-        keys = k_cache.index_select(0, tables).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)  # [nd,KVH,L,D]
-        values = v_cache.index_select(0, tables).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        keys, values = kv_cache.blocks(tables, q.dtype)
+        keys = keys.view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)  # [nd, KVH, L, D]
+        values = values.view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
         q_grouped = q[:nd].view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=meta.decode_mask, scale=scale)
         out[:nd] = o.reshape(nd, num_heads, head_dim)
@@ -136,19 +156,19 @@ class ReferenceAttention(PagedAttention):
     """Per sequence: gather its whole context from the cache, explicit causal mask, softmax(QK^T)V."""
 
     def attend(self, q, k, v, kv_cache: KVCache, meta: BatchMetadata, scale: float, out: torch.Tensor) -> None:
-        k_cache, v_cache = kv_cache
         group = q.shape[1] // k.shape[1]
         for i in range(meta.num_seqs):
             start, end = meta.query_starts[i], meta.query_starts[i + 1]
             ctx = meta.context_lens_host[i]
             blocks = meta.block_tables[i, : meta.num_blocks_host[i]]
-            keys = _gather_context(k_cache, blocks, ctx).repeat_interleave(group, dim=1)  # [ctx, H, D]
-            values = _gather_context(v_cache, blocks, ctx).repeat_interleave(group, dim=1)
+            keys, values = _gather_context(kv_cache, blocks, ctx, torch.float32)
+            keys = keys.repeat_interleave(group, dim=1)  # [ctx, H, D]
+            values = values.repeat_interleave(group, dim=1)
             q_pos = torch.arange(ctx - (end - start), ctx).unsqueeze(1)
             allowed = torch.arange(ctx).unsqueeze(0) <= q_pos  # [n, ctx]
-            scores = torch.einsum("nhd,chd->hnc", q[start:end].float(), keys.float()) * scale
+            scores = torch.einsum("nhd,chd->hnc", q[start:end].float(), keys) * scale
             scores = scores.masked_fill(~allowed, float("-inf"))
-            out[start:end] = torch.einsum("hnc,chd->nhd", scores.softmax(-1), values.float()).to(q.dtype)
+            out[start:end] = torch.einsum("hnc,chd->nhd", scores.softmax(-1), values).to(q.dtype)
 
 
 ATTENTION_BACKENDS = ("auto", "paged", "sdpa", "reference")

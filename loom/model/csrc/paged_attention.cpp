@@ -17,6 +17,7 @@
 #include <omp.h>
 
 #include "bfloat16.h"
+#include "int8_kv.h"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "amx_tiles.h"
 #endif
@@ -63,31 +64,38 @@ inline void start_streams(const void* p, int64_t bytes) {
 // Walks one sequence's K or V rows (each token's whole row, all KV heads) in token order, the order they lie in
 // within a block, which the hardware prefetchers follow. The next blocks lie anywhere in the cache, so while row j of
 // a block is read, row j of the block kAhead on is prefetched (2 blocks ahead: 64 x 512 tokens 1.52 -> 1.41 ms a
-// layer against 1 block ahead). R == T: rows are read in place (heads head_dim apart); R == float for a head size
-// of part vectors: rows are copied, widened, into the caller's buffer, each head's part zero-padded to padded_dim().
-template <typename T, typename R>
+// layer against 1 block ahead). R == C: rows are read in place (heads head_dim apart); R == float for a head size
+// of part vectors or an int8 cache: rows are copied, widened (int8 codes times their scales), into the caller's
+// buffer, each head's part zero-padded to padded_dim().
+template <typename C, typename R>
 class RowWalker {
  public:
-  // Rows [begin, end) of a sequence. Blocks ahead are prefetched only within them: rows past `end` belong to
-  // another item (the next chunk), which another thread may read.
-  RowWalker(const T* cache, const int64_t* table, int64_t begin, int64_t end, const PagedGeometry& g)
-      : cache_(cache), table_(table), end_(end), heads_(g.num_kv_heads), g_(g),
+  // Rows [begin, end) of a sequence, of a cache of C (its scales: an int8 cache's, else null). Blocks ahead are
+  // prefetched only within them: rows past `end` belong to another item (the next chunk), which another thread may
+  // read.
+  RowWalker(const C* cache, const float* scales, const int64_t* table, int64_t begin, int64_t end,
+            const PagedGeometry& g)
+      : cache_(cache), scales_(scales), table_(table), end_(end), heads_(g.num_kv_heads), g_(g),
         block_(begin / g.block_size), offset_(begin % g.block_size) {}
 
   const R* next(float* buffer) {
-    const int64_t block_elems = g_.block_size * g_.row_size;
-    const T* row = cache_ + table_[block_] * block_elems + offset_ * g_.row_size;
+    const int64_t slot = table_[block_] * g_.block_size + offset_;
+    const C* row = cache_ + slot * g_.row_size;
     if ((block_ + kAhead) * g_.block_size < end_) {
-      const T* ahead = cache_ + table_[block_ + kAhead] * block_elems + offset_ * g_.row_size;
-      const int64_t bytes = heads_ * g_.head_dim * static_cast<int64_t>(sizeof(T));
-      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(ahead) + b);
+      const int64_t ahead_slot = table_[block_ + kAhead] * g_.block_size + offset_;
+      const char* ahead = reinterpret_cast<const char*>(cache_ + ahead_slot * g_.row_size);
+      const int64_t bytes = heads_ * g_.head_dim * static_cast<int64_t>(sizeof(C));
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(ahead + b);
+      if (scales_) __builtin_prefetch(scales_ + ahead_slot * heads_);
     }
     if (++offset_ == g_.block_size) offset_ = 0, ++block_;
-    if constexpr (std::is_same_v<R, T>) {
+    if constexpr (std::is_same_v<R, C>) {
       return row;
     } else {
       for (int64_t h = 0; h < heads_; ++h) {
-        for (int64_t d = 0; d < g_.head_dim; ++d) buffer[h * g_.padded_dim() + d] = widen(row[h * g_.head_dim + d]);
+        const float scale = scales_ ? scales_[slot * heads_ + h] : 1.f;
+        for (int64_t d = 0; d < g_.head_dim; ++d)
+          buffer[h * g_.padded_dim() + d] = loom::dequantized(row[h * g_.head_dim + d], scale);
         std::fill(buffer + h * g_.padded_dim() + g_.head_dim, buffer + (h + 1) * g_.padded_dim(), 0.f);
       }
       return buffer;
@@ -95,7 +103,8 @@ class RowWalker {
   }
 
  private:
-  const T* cache_;
+  const C* cache_;
+  const float* scales_;
   const int64_t* table_;
   int64_t end_, heads_;
   const PagedGeometry& g_;
@@ -187,21 +196,22 @@ inline void softmax_scores(float* scores, int64_t num_q, int64_t len, int64_t pa
   }
 }
 
-// Attention of the query heads of one sequence whose KV heads are in `heads`, rows of type R (see RowWalker).
+// Attention of the query heads of one sequence whose KV heads are in `heads`, caches of C, rows of type R (see
+// RowWalker); q and out of T.
 // Scores token by token: a KV head's part of the row is loaded into registers once (bfloat16 widened as loaded)
 // for the query heads of its group, and each head's dot products of eight tokens are summed across lanes together
 // (one transpose instead of eight horizontal sums). Then the softmax, then values token by token, again loaded
 // once per group. VECS > 0 fixes the vectors per head at compile time, so their loops unroll into registers.
 // Tokens [begin, end) of the sequence: its whole context goes to `out`, a chunk to `partial`.
-template <typename T, typename R, int64_t VECS>
-void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t begin,
+template <typename T, typename C, typename R, int64_t VECS>
+void attend_decode(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t begin,
                    int64_t end, T* out, const Partial* partial,
                    const PagedGeometry& g, DecodeScratch& scratch) {
   const int64_t group = g.group(), num_q = g.num_kv_heads * group;
   const int64_t len = end - begin;
   const int64_t vecs = VECS > 0 ? VECS : g.padded_dim() / kLanes;
   const int64_t padded_len = round_up(len, kLanes);
-  const int64_t head_stride = std::is_same_v<R, T> ? g.head_dim : g.padded_dim();  // between KV heads in a row
+  const int64_t head_stride = std::is_same_v<R, C> ? g.head_dim : g.padded_dim();  // between KV heads in a row
   Vec* qv = scratch.q.data();
   Vec* acc = scratch.acc.data();
   Vec* dots = scratch.dots.data();
@@ -213,7 +223,7 @@ void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
       qf[d] = d < g.head_dim ? widen(q[h * g.head_dim + d]) * g.scale : 0.f;
   }
 
-  RowWalker<T, R> keys(k_cache, table, begin, end, g);
+  RowWalker<C, R> keys(k_cache, g.k_scales, table, begin, end, g);
   Vec part[kMaxHeadVecs];
   for (int64_t t0 = 0; t0 < padded_len; t0 += kLanes) {
     for (int t = 0; t < kLanes; ++t) {
@@ -242,7 +252,7 @@ void attend_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
 
   softmax_scores(scores, num_q, len, padded_len, partial, inv_sum);
 
-  RowWalker<T, R> values(v_cache, table, begin, end, g);
+  RowWalker<C, R> values(v_cache, g.v_scales, table, begin, end, g);
   std::fill(acc, acc + num_q * vecs, Vec{});
   for (int64_t t = 0; t < len; ++t) {
     const R* row = values.next(scratch.row.data());
@@ -281,7 +291,7 @@ void bf16_scores_by_vectors(const c10::BFloat16* q, const c10::BFloat16* k_cache
   constexpr int64_t kDim = 32 * KD;
   const int64_t num_q = g.num_kv_heads * GROUP, len = hi - lo;
   Vec* dots = scratch.dots.data();
-  RowWalker<bf16, bf16> keys(k_cache, table, lo, hi, g);
+  RowWalker<bf16, bf16> keys(k_cache, nullptr, table, lo, hi, g);
   for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
     for (int t = 0; t < kLanes; ++t) {
       if (t0 + t >= len) {  // past the context (masked by softmax_scores)
@@ -594,7 +604,7 @@ void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cach
     }
 
   const int64_t block_elems = g.block_size * g.row_size;
-  RowWalker<bf16, bf16> keys(k_cache, table, begin, end, g);
+  RowWalker<bf16, bf16> keys(k_cache, nullptr, table, begin, end, g);
   for (int64_t t0 = 0; t0 < padded_len; t0 += kLanes) {
     for (int t = 0; t < kLanes; ++t) {
       if (t0 + t >= len) {  // past the context (masked by softmax_scores)
@@ -840,8 +850,9 @@ void attend_in_halves(const Bf16Phases& phases, const c10::BFloat16* q, const c1
 }
 #endif
 
-template <typename T>
-void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+// q and out of T, caches of C (T, or int8 codes).
+template <typename T, typename C>
+void decode_attention_impl(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                            const int64_t* context_lens, T* out, int64_t num_seqs, int64_t max_len,
                            const PagedGeometry& g) {
   // A work item is a whole sequence, so that each token's row (all KV heads) is read in one piece. A context
@@ -881,7 +892,7 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
                  out + seq * g.num_heads * g.head_dim, g);
   };
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>) {
     Bf16Phases phases{nullptr, nullptr};
     if (g.head_dim == 32) phases = bf16_phases_for<1>(g.group());
     if (g.head_dim == 64) phases = bf16_phases_for<2>(g.group());
@@ -912,16 +923,17 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
   std::unique_ptr<std::atomic<int64_t>[]> chunks_left(new std::atomic<int64_t>[num_seqs]);
   for (int64_t seq = 0; seq < num_seqs; ++seq)
     chunks_left[seq].store((context_lens[seq] + kChunkTokens - 1) / kChunkTokens, std::memory_order_relaxed);
-  // Rows in place where vec.h can load them (float32, bfloat16) as whole vectors; copied otherwise.
-  auto attend = attend_decode<T, float, 0>;
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+  // Rows in place where vec.h can load them (float32, bfloat16) as whole vectors; copied otherwise (int8 codes
+  // among them).
+  auto attend = attend_decode<T, C, float, 0>;
+  if constexpr (std::is_same_v<C, T> && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
     if (g.head_dim == g.padded_dim())
-      attend = g.padded_dim() == 8 * kLanes    ? attend_decode<T, T, 8>
-               : g.padded_dim() == 16 * kLanes ? attend_decode<T, T, 16>
-                                             : attend_decode<T, T, 0>;
+      attend = g.padded_dim() == 8 * kLanes    ? attend_decode<T, T, T, 8>
+               : g.padded_dim() == 16 * kLanes ? attend_decode<T, T, T, 16>
+                                             : attend_decode<T, T, T, 0>;
   }
 #if defined(__AVX512BF16__) || defined(__AVX2__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>) {
     decltype(attend) fast = nullptr;
     if (g.head_dim == 32) fast = bf16_decode_for<32 / kBf16Unit>(g.group());
     if (g.head_dim == 64) fast = bf16_decode_for<64 / kBf16Unit>(g.group());
@@ -943,13 +955,15 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
 
 }  // namespace
 
-// q, out: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
-// block_tables: [num_seqs, max_blocks] int64; context_lens: [num_seqs] int64 (keys each query may see).
+// q, out: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype or
+// int8 with their scales (paged_geometry.h); block_tables: [num_seqs, max_blocks] int64; context_lens: [num_seqs]
+// int64 (keys each query may see).
 void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                       const torch::Tensor& block_tables, const torch::Tensor& context_lens, torch::Tensor& out,
-                      double scale) {
+                      double scale, const std::optional<torch::Tensor>& k_scales,
+                      const std::optional<torch::Tensor>& v_scales) {
   const PagedGeometry g = loom::check_paged_inputs("decode_attention", q, k_cache, v_cache, block_tables, context_lens,
-                                                   out, scale);
+                                                   out, scale, k_scales, v_scales);
   TORCH_CHECK(g.head_dim <= kMaxHeadVecs * kLanes, "head sizes up to ", kMaxHeadVecs * kLanes, " are supported");
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
@@ -963,33 +977,41 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, cons
   }
   TORCH_CHECK(max_len <= tables.size(1) * k_cache.size(1), "a context length exceeds its block table");
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
-    decode_attention_impl(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                          tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), q.size(0),
-                          max_len, g);
+    if (g.k_scales)
+      decode_attention_impl(q.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
+                            tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), q.size(0),
+                            max_len, g);
+    else
+      decode_attention_impl(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                            tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), q.size(0),
+                            max_len, g);
   });
 }
 
 // Defined in prefill_attention.cpp.
 void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                       const torch::Tensor& query_starts, int64_t first_seq, torch::Tensor& out, double scale);
+                       const torch::Tensor& query_starts, int64_t first_seq, torch::Tensor& out, double scale,
+                       const std::optional<torch::Tensor>& k_scales, const std::optional<torch::Tensor>& v_scales);
 
 // Defined in write_kv.cpp.
 void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
-              const torch::Tensor& slot_mapping);
+              const torch::Tensor& slot_mapping, const std::optional<torch::Tensor>& k_scales,
+              const std::optional<torch::Tensor>& v_scales);
 
 // One layer's attention for a whole step: the step's K/V stored at their slots, then rows [0, num_decodes) by
 // decode_attention and the prompt chunks after them by prefill_attention, into a new out [T, H * D]. One call from
 // Python instead of two or three, with their views: between the kernels of a decode step, each Python frame and
-// torch op costs microseconds.
+// torch op costs microseconds. Scales: an int8 cache's (None for others).
 torch::Tensor attend_step(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                          torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
+                          torch::Tensor& k_cache, torch::Tensor& v_cache, const std::optional<torch::Tensor>& k_scales,
+                          const std::optional<torch::Tensor>& v_scales, const torch::Tensor& slot_mapping,
                           const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                           const torch::Tensor& query_starts, int64_t num_decodes, double scale) {
   const int64_t num_seqs = block_tables.size(0);
   TORCH_CHECK(num_decodes >= 0 && num_decodes <= num_seqs && num_decodes <= q.size(0),
               "num_decodes must count the step's first sequences, one query row each");
-  write_kv(k, v, k_cache, v_cache, slot_mapping);
+  write_kv(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales);
   auto out = torch::empty(q.sizes(), q.options());
   // The first n rows of t: t itself when they are all of it, as in a step of decodes alone (a view costs about
   // 2 us here, and this call runs once a layer).
@@ -997,16 +1019,24 @@ torch::Tensor attend_step(const torch::Tensor& q, const torch::Tensor& k, const 
   if (num_decodes > 0) {
     auto decode_out = first_rows(out, num_decodes);
     decode_attention(first_rows(q, num_decodes), k_cache, v_cache, first_rows(block_tables, num_decodes),
-                     first_rows(context_lens, num_decodes), decode_out, scale);
+                     first_rows(context_lens, num_decodes), decode_out, scale, k_scales, v_scales);
   }
   if (num_seqs > num_decodes)
-    prefill_attention(q, k_cache, v_cache, block_tables, context_lens, query_starts, num_decodes, out, scale);
+    prefill_attention(q, k_cache, v_cache, block_tables, context_lens, query_starts, num_decodes, out, scale, k_scales,
+                      v_scales);
   return out.view({q.size(0), q.size(1) * q.size(2)});
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_step", &attend_step, "one layer's store + decode + prefill attention for a step");
-  m.def("write_kv", &write_kv, "store the step's K/V rows at their cache slots");
-  m.def("decode_attention", &decode_attention, "paged decode attention (CPU)");
-  m.def("prefill_attention", &prefill_attention, "paged prefill attention, flash style (CPU)");
+  using pybind11::arg;
+  m.def("write_kv", &write_kv, "store the step's K/V rows at their cache slots", arg("k"), arg("v"), arg("k_cache"),
+        arg("v_cache"), arg("slot_mapping"), arg("k_scales") = pybind11::none(), arg("v_scales") = pybind11::none());
+  m.def("decode_attention", &decode_attention, "paged decode attention (CPU)", arg("q"), arg("k_cache"),
+        arg("v_cache"), arg("block_tables"), arg("context_lens"), arg("out"), arg("scale"),
+        arg("k_scales") = pybind11::none(), arg("v_scales") = pybind11::none());
+  m.def("prefill_attention", &prefill_attention, "paged prefill attention, flash style (CPU)", arg("q"),
+        arg("k_cache"), arg("v_cache"), arg("block_tables"), arg("context_lens"), arg("query_starts"),
+        arg("first_seq"), arg("out"), arg("scale"), arg("k_scales") = pybind11::none(),
+        arg("v_scales") = pybind11::none());
 }

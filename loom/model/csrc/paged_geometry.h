@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 
 #include "vec.h"
 
@@ -14,19 +15,36 @@ namespace loom {
 // q and out [rows, num_heads, head_dim], q's rows q_row_stride values apart (a view of the fused qkv projection's rows,
 // read in place) and out's contiguous; caches [blocks, block_size, num_kv_heads, head_dim], so one token's row of a
 // block holds row_size = num_kv_heads * head_dim values; block tables [sequences, max_blocks].
+// int8 caches (kv_cache_dtype "int8") hold codes, and k_scales / v_scales one float32 scale per token and KV head
+// ([blocks, block_size, num_kv_heads], the scale of a token's row at the same slot): a value is code * scale. Other
+// caches hold q's dtype and have no scales (null).
 struct PagedGeometry {
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, row_size, q_row_stride;
   float scale;
+  const float* k_scales = nullptr;
+  const float* v_scales = nullptr;
 
   int64_t group() const { return num_heads / num_kv_heads; }              // query heads per KV head
   int64_t padded_dim() const { return (head_dim + kLanes - 1) / kLanes * kLanes; }  // whole vectors
 };
 
+// An int8 cache's scales: float32 [blocks, block_size, num_kv_heads] for a cache of codes, contiguous.
+inline void check_scales(const torch::Tensor& cache, const std::optional<torch::Tensor>& scales, const char* name) {
+  TORCH_CHECK(scales.has_value(), "an int8 cache needs its ", name);
+  TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous() && scales->dim() == 3 &&
+                  scales->size(0) == cache.size(0) && scales->size(1) == cache.size(1) &&
+                  scales->size(2) == cache.size(2),
+              name, " must be contiguous float32 [blocks, block_size, num_kv_heads] for its int8 cache");
+}
+
 // Checks what both kernels need (CPU, contiguous out and caches, each row of q contiguous, shapes, matching dtypes,
-// int64 tables and lengths, whole GQA groups) and returns the geometry; `kernel` names the caller in the errors.
+// int64 tables and lengths, whole GQA groups; an int8 cache's scales) and returns the geometry; `kernel` names the
+// caller in the errors.
 inline PagedGeometry check_paged_inputs(const char* kernel, const torch::Tensor& q, const torch::Tensor& k_cache,
                                         const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                        const torch::Tensor& context_lens, const torch::Tensor& out, double scale) {
+                                        const torch::Tensor& context_lens, const torch::Tensor& out, double scale,
+                                        const std::optional<torch::Tensor>& k_scales,
+                                        const std::optional<torch::Tensor>& v_scales) {
   TORCH_CHECK(q.device().is_cpu(), kernel, " runs on CPU tensors");
   TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), kernel,
               " needs contiguous out and caches");
@@ -34,13 +52,25 @@ inline PagedGeometry check_paged_inputs(const char* kernel, const torch::Tensor&
   TORCH_CHECK((q.size(2) <= 1 || q.stride(2) == 1) && (q.size(1) <= 1 || q.stride(1) == q.size(2)) &&
                   (q.size(0) <= 1 || q.stride(0) >= q.size(1) * q.size(2)),
               kernel, " needs each row of q contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(), "dtype mismatch");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK((int8 || q.scalar_type() == k_cache.scalar_type()) && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  q.scalar_type() == out.scalar_type(),
+              "dtype mismatch");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "K and V caches must be alike");
+  if (int8) {
+    check_scales(k_cache, k_scales, "k_scales");
+    check_scales(v_cache, v_scales, "v_scales");
+  } else {
+    TORCH_CHECK(!k_scales && !v_scales, "scales go with int8 caches alone");
+  }
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
   const int64_t num_heads = q.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(k_cache.size(3) == q.size(2), "the caches' head size must be q's");
   return {num_heads, num_kv_heads, q.size(2), k_cache.size(1), block_tables.size(1), num_kv_heads * q.size(2),
-          q.size(0) > 1 ? q.stride(0) : q.size(1) * q.size(2), static_cast<float>(scale)};
+          q.size(0) > 1 ? q.stride(0) : q.size(1) * q.size(2), static_cast<float>(scale),
+          int8 ? k_scales->data_ptr<float>() : nullptr, int8 ? v_scales->data_ptr<float>() : nullptr};
 }
 
 // Runs work(i, scratch) for every i in [0, num_items) on up to torch's thread count, items handed out one at a time

@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include "bfloat16.h"
+#include "int8_kv.h"
 #include "paged_geometry.h"
 #include "vec.h"
 
@@ -49,14 +50,18 @@ struct KeyRun {
 };
 
 // One cache block's K or V rows for one KV head as float32: float32 read in place (a row every row_size floats),
-// bfloat16 widened into `buffer` (a row every head_dim floats).
-template <typename T>
-inline KeyRun block_rows(const T* rows, int64_t count, int64_t head_dim, int64_t row_size, float* buffer) {
-  if constexpr (std::is_same_v<T, float>) {
+// bfloat16 widened and int8 codes dequantized into `buffer` (a row every head_dim floats). scales: an int8 cache's,
+// the block's first row's for this head, a row every num_kv_heads (else null).
+template <typename C>
+inline KeyRun block_rows(const C* rows, const float* scales, int64_t count, int64_t head_dim, int64_t row_size,
+                         int64_t num_kv_heads, float* buffer) {
+  if constexpr (std::is_same_v<C, float>) {
     return {rows, row_size, count};
   } else {
-    for (int64_t j = 0; j < count; ++j)
-      for (int64_t d = 0; d < head_dim; ++d) buffer[j * head_dim + d] = widen(rows[j * row_size + d]);
+    for (int64_t j = 0; j < count; ++j) {
+      const float scale = scales ? scales[j * num_kv_heads] : 1.f;
+      for (int64_t d = 0; d < head_dim; ++d) buffer[j * head_dim + d] = loom::dequantized(rows[j * row_size + d], scale);
+    }
     return {buffer, head_dim, count};
   }
 }
@@ -170,9 +175,10 @@ struct Scratch {
 };
 
 // One item: up to `tiles_per_item` consecutive tiles of kRows query rows, from row0 of the chunk's (token, group head)
-// rows for KV head kvh. Each step's keys are read (and widened) once for all of the item's tiles.
-template <typename T>
-void attend_tiles(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t n, int64_t ctx,
+// rows for KV head kvh. Each step's keys are read (and widened) once for all of the item's tiles. q and out of T,
+// caches of C (T, or int8 codes).
+template <typename T, typename C>
+void attend_tiles(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t n, int64_t ctx,
                   int64_t kvh, int64_t row0, int64_t tiles_per_item, T* out, const PagedGeometry& g,
                   Scratch& scratch) {
   const int64_t group = g.group(), head_dim = g.head_dim;
@@ -209,10 +215,13 @@ void attend_tiles(const T* q, const T* k_cache, const T* v_cache, const int64_t*
     for (; num_runs < step_blocks && t0 + count <= last_pos; ++num_runs, ++b) {
       const int64_t run_count = std::min(g.block_size, last_pos + 1 - t0 - count);
       const int64_t offset = table[b] * g.block_size * g.row_size + kvh * head_dim;
+      const int64_t scale_at = table[b] * g.block_size * g.num_kv_heads + kvh;
       float* k_buffer = scratch.kv_buffer.data() + count * head_dim;
       float* v_buffer = k_buffer + step_blocks * g.block_size * head_dim;
-      key_runs[num_runs] = block_rows(k_cache + offset, run_count, head_dim, g.row_size, k_buffer);
-      value_runs[num_runs] = block_rows(v_cache + offset, run_count, head_dim, g.row_size, v_buffer);
+      key_runs[num_runs] = block_rows(k_cache + offset, g.k_scales ? g.k_scales + scale_at : nullptr, run_count,
+                                      head_dim, g.row_size, g.num_kv_heads, k_buffer);
+      value_runs[num_runs] = block_rows(v_cache + offset, g.v_scales ? g.v_scales + scale_at : nullptr, run_count,
+                                        head_dim, g.row_size, g.num_kv_heads, v_buffer);
       count += run_count;
     }
     for (int64_t t = 0; t < num_tiles; ++t)
@@ -234,8 +243,8 @@ void attend_tiles(const T* q, const T* k_cache, const T* v_cache, const int64_t*
   }
 }
 
-template <typename T>
-void prefill_attention_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+template <typename T, typename C>
+void prefill_attention_impl(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                             const int64_t* context_lens, const int64_t* query_starts, int64_t first_seq,
                             int64_t num_seqs, T* out, const PagedGeometry& g) {
   const int64_t group = g.group();
@@ -276,14 +285,16 @@ bool prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& k_cache,
                            const int64_t* tables, const int64_t* context_lens, const int64_t* query_starts,
                            int64_t first_seq, int64_t num_seqs, torch::Tensor& out, const PagedGeometry& g);
 
-// q, out: [T, num_heads, head_dim] for the whole step; caches: [num_blocks, block_size, num_kv_heads, head_dim];
-// block_tables [S, max_blocks], context_lens [S], query_starts [S+1]: int64. Fills the rows of sequences
-// first_seq..S-1, each chunk's queries being the last positions of its context_lens[s] keys.
+// q, out: [T, num_heads, head_dim] for the whole step; caches: [num_blocks, block_size, num_kv_heads, head_dim], q's
+// dtype or int8 with their scales (paged_geometry.h); block_tables [S, max_blocks], context_lens [S], query_starts
+// [S+1]: int64. Fills the rows of sequences first_seq..S-1, each chunk's queries being the last positions of its
+// context_lens[s] keys.
 void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                       const torch::Tensor& query_starts, int64_t first_seq, torch::Tensor& out, double scale) {
+                       const torch::Tensor& query_starts, int64_t first_seq, torch::Tensor& out, double scale,
+                       const std::optional<torch::Tensor>& k_scales, const std::optional<torch::Tensor>& v_scales) {
   const PagedGeometry g = loom::check_paged_inputs("prefill_attention", q, k_cache, v_cache, block_tables, context_lens,
-                                                   out, scale);
+                                                   out, scale, k_scales, v_scales);
   TORCH_CHECK(query_starts.scalar_type() == at::kLong, "query_starts must be int64");
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
@@ -302,7 +313,11 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, con
   }
   if (prefill_attention_amx(q, k_cache, v_cache, tables.data_ptr<int64_t>(), c, s, first_seq, num_seqs, out, g)) return;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "prefill_attention", [&] {
-    prefill_attention_impl(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                           tables.data_ptr<int64_t>(), c, s, first_seq, num_seqs, out.data_ptr<scalar_t>(), g);
+    if (g.k_scales)
+      prefill_attention_impl(q.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
+                             tables.data_ptr<int64_t>(), c, s, first_seq, num_seqs, out.data_ptr<scalar_t>(), g);
+    else
+      prefill_attention_impl(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                             tables.data_ptr<int64_t>(), c, s, first_seq, num_seqs, out.data_ptr<scalar_t>(), g);
   });
 }

@@ -165,29 +165,44 @@ inline void transpose16x16(__m512i (&r)[16]) {
   }
 }
 
+// 32 values of a cache row as bfloat16: read as they are, or int8 codes times their scale, rounded (int8_kv.h).
+inline __m512i row_values(const bf16* p, float) { return _mm512_loadu_si512(p); }
+inline __m512i row_values(const int8_t* p, float scale) {
+  const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m512 s = _mm512_set1_ps(scale);
+  const __m512 low = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes))), s);
+  const __m512 high = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1))), s);
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));  // low's 16, then high's
+}
+
 // The item's keys [0, num_keys) of KV head kvh as A tiles (per 16-key block and 32 dims: the keys' rows as they are)
 // and its values as A tiles of V transposed (per 32-key step and 16 dims: row d = the 32 keys' values of dim d), zero
-// past num_keys up to a whole step.
-void lay_out_keys_and_values(const bf16* k_cache, const bf16* v_cache, const int64_t* table, int64_t num_keys,
+// past num_keys up to a whole step. Caches of C: bfloat16, or int8 codes with their scales (g.k_scales, g.v_scales).
+template <typename C>
+void lay_out_keys_and_values(const C* k_cache, const C* v_cache, const int64_t* table, int64_t num_keys,
                              int64_t kvh, const PagedGeometry& g, Scratch& scratch) {
   const int64_t head_dim = g.head_dim, dim_tiles = head_dim / 32, value_tiles = head_dim / 16;
   const int64_t steps = (num_keys + kStep - 1) / kStep;
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t block = 0; block < 2 * steps; ++block) {
     const int64_t count = std::clamp<int64_t>(num_keys - block * kBlock, 0, kBlock);
-    const bf16* k = count ? k_cache + table[block] * kBlock * g.row_size + kvh * head_dim : nullptr;
-    const bf16* v = count ? v_cache + table[block] * kBlock * g.row_size + kvh * head_dim : nullptr;
+    const C* k = count ? k_cache + table[block] * kBlock * g.row_size + kvh * head_dim : nullptr;
+    const C* v = count ? v_cache + table[block] * kBlock * g.row_size + kvh * head_dim : nullptr;
+    // Row n's scales (1 where the cache holds the values themselves).
+    const int64_t scale_at = table[block] * kBlock * g.num_kv_heads + kvh;
+    const auto k_scale = [&](int64_t n) { return g.k_scales ? g.k_scales[scale_at + n * g.num_kv_heads] : 1.f; };
+    const auto v_scale = [&](int64_t n) { return g.v_scales ? g.v_scales[scale_at + n * g.num_kv_heads] : 1.f; };
     for (int64_t tile = 0; tile < dim_tiles; ++tile) {
       bf16* out = scratch.keys.data() + (block * dim_tiles + tile) * kTileElems;
       for (int64_t n = 0; n < 16; ++n)
-        _mm512_storeu_si512(out + n * 32, n < count ? _mm512_loadu_si512(k + n * g.row_size + tile * 32) : zero);
+        _mm512_storeu_si512(out + n * 32, n < count ? row_values(k + n * g.row_size + tile * 32, k_scale(n)) : zero);
     }
     // values: 32 dims of the block's 16 keys at a time, as 16 x 16 pairs of dims transposed; the low and the high
     // halves of row i are then dims 2i and 2i + 1 over the 16 keys: row d of a step's tile, its keys 16 (block % 2) on.
     bf16* step_tiles = scratch.values.data() + (block / 2) * value_tiles * kTileElems + (block % 2) * 16;
     for (int64_t tile = 0; tile < dim_tiles; ++tile) {
       __m512i rows[16];
-      for (int64_t n = 0; n < 16; ++n) rows[n] = n < count ? _mm512_loadu_si512(v + n * g.row_size + tile * 32) : zero;
+      for (int64_t n = 0; n < 16; ++n) rows[n] = n < count ? row_values(v + n * g.row_size + tile * 32, v_scale(n)) : zero;
       transpose16x16(rows);
       for (int64_t i = 0; i < 16; ++i) {
         const int64_t d = tile * 32 + 2 * i;  // rows d and d + 1 of the same 16-dim tile
@@ -329,7 +344,8 @@ void attend_tile(const bf16* q, int64_t t0, int64_t rows, int64_t first_pos, int
 }  // namespace
 
 // prefill_attention's work on AMX, or false (nothing done) where this kernel does not apply: not bfloat16, blocks
-// other than 16 tokens, a head size other than 32 / 64 / 128, or no AMX granted to this process.
+// other than 16 tokens, a head size other than 32 / 64 / 128, or no AMX granted to this process. Caches of bfloat16
+// or int8 codes (with g's scales).
 bool prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const int64_t* tables, const int64_t* context_lens, const int64_t* query_starts,
                            int64_t first_seq, int64_t num_seqs, torch::Tensor& out, const PagedGeometry& g) {
@@ -347,8 +363,7 @@ bool prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& k_cache,
         items.push_back({seq, kvh, t0, std::min(n, t0 + kItemTokens)});
   }
   const bf16* q_data = q.data_ptr<bf16>();
-  const bf16* k_data = k_cache.data_ptr<bf16>();
-  const bf16* v_data = v_cache.data_ptr<bf16>();
+  const bool int8 = g.k_scales != nullptr;
   bf16* out_data = out.data_ptr<bf16>();
   loom::for_each_item(
       static_cast<int64_t>(items.size()), [&] { return Scratch(g, max_keys); },
@@ -359,7 +374,13 @@ bool prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& k_cache,
         loom::amx::configure_tiles();
         const int64_t num_keys = first_pos + it.t1;
         if (scratch.laid_seq != it.seq || scratch.laid_kvh != it.kvh || scratch.laid_keys < num_keys) {
-          lay_out_keys_and_values(k_data, v_data, tables + it.seq * g.max_blocks, num_keys, it.kvh, g, scratch);
+          const int64_t* table = tables + it.seq * g.max_blocks;
+          if (int8)
+            lay_out_keys_and_values(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), table, num_keys, it.kvh,
+                                    g, scratch);
+          else
+            lay_out_keys_and_values(k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(), table, num_keys, it.kvh, g,
+                                    scratch);
           scratch.laid_seq = it.seq, scratch.laid_kvh = it.kvh, scratch.laid_keys = num_keys;
         }
         const bf16* q_chunk = q_data + start * g.q_row_stride;

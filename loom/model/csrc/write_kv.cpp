@@ -1,11 +1,15 @@
 // Stores a step's new keys and values at their slots of the paged KV cache: one row copy per token and cache.
 // torch's index_copy_, two calls of it, took 13-32 us (one request) and 95-123 us (64 requests) per layer here; this
 // one call 9 and 22 us. The rows may be strided views into the fused qkv projection, so nothing is made contiguous
-// first. Every slot is checked before anything is written.
+// first. Every slot is checked before anything is written. An int8 cache gets each head's row quantized
+// (int8_kv.h), its scale stored at the same slot of the scales.
 #include <torch/extension.h>
 
 #include <cstdint>
 #include <cstring>
+#include <optional>
+
+#include "int8_kv.h"
 
 namespace {
 
@@ -13,35 +17,76 @@ void check_rows(const torch::Tensor& rows, const torch::Tensor& cache, const cha
   TORCH_CHECK(rows.dim() == 3 && rows.size(1) == cache.size(2) && rows.size(2) == cache.size(3), name,
               " must be [tokens, num_kv_heads, head_dim] as the cache holds them");
   TORCH_CHECK(rows.stride(2) == 1 && rows.stride(1) == rows.size(2), "each of ", name, "'s rows must be contiguous");
-  TORCH_CHECK(rows.scalar_type() == cache.scalar_type() && rows.device().is_cpu(), name,
-              " must be a CPU tensor of the cache's dtype");
+  TORCH_CHECK(rows.device().is_cpu() && (rows.scalar_type() == cache.scalar_type() ||
+                                         (cache.scalar_type() == at::kChar && (rows.scalar_type() == at::kFloat ||
+                                                                               rows.scalar_type() == at::kBFloat16))),
+              name, " must be a CPU tensor of the cache's dtype (float32 or bfloat16 for an int8 cache)");
+}
+
+void check_scales(const torch::Tensor& cache, const std::optional<torch::Tensor>& scales, const char* name) {
+  if (cache.scalar_type() != at::kChar) {
+    TORCH_CHECK(!scales, "scales go with int8 caches alone");
+    return;
+  }
+  TORCH_CHECK(scales && scales->scalar_type() == at::kFloat && scales->is_contiguous() && scales->dim() == 3 &&
+                  scales->size(0) == cache.size(0) && scales->size(1) == cache.size(1) &&
+                  scales->size(2) == cache.size(2),
+              name, " must be contiguous float32 [blocks, block_size, num_kv_heads] for its int8 cache");
+}
+
+// Token t's rows of `rows` quantized into an int8 cache at row slot[t], their scales alongside.
+template <typename T>
+void quantize_rows(const torch::Tensor& rows, const int64_t* slot, torch::Tensor& cache, torch::Tensor& scales) {
+  const int64_t heads = rows.size(1), dim = rows.size(2);
+  const T* from = rows.data_ptr<T>();
+  int8_t* codes = cache.data_ptr<int8_t>();
+  float* scale = scales.data_ptr<float>();
+  for (int64_t t = 0; t < rows.size(0); ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      scale[slot[t] * heads + h] =
+          loom::quantize_head(from + t * rows.stride(0) + h * dim, dim, codes + (slot[t] * heads + h) * dim);
 }
 
 }  // namespace
 
 // k, v [T, num_kv_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping [T] int64:
-// token t goes to row slot_mapping[t] of the flattened [num_blocks * block_size] rows.
+// token t goes to row slot_mapping[t] of the flattened [num_blocks * block_size] rows. int8 caches take their scales
+// [num_blocks, block_size, num_kv_heads] float32 too.
 void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
-              const torch::Tensor& slot_mapping) {
+              const torch::Tensor& slot_mapping, const std::optional<torch::Tensor>& k_scales,
+              const std::optional<torch::Tensor>& v_scales) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous(),
+                  v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
               "caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim] and alike");
   check_rows(k, k_cache, "k");
   check_rows(v, v_cache, "v");
+  check_scales(k_cache, k_scales, "k_scales");
+  check_scales(v_cache, v_scales, "v_scales");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.numel() == k.size(0) &&
-                  v.size(0) == k.size(0),
-              "one int64 slot per token");
+                  v.size(0) == k.size(0) && k.scalar_type() == v.scalar_type(),
+              "one int64 slot per token, and k and v alike");
   const auto slots = slot_mapping.contiguous();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < k.size(0); ++t)
+    TORCH_CHECK(0 <= slot[t] && slot[t] < num_slots, "slot ", slot[t], " is outside the cache");
+  if (k_cache.scalar_type() == at::kChar) {
+    torch::Tensor k_scale = *k_scales, v_scale = *v_scales;
+    if (k.scalar_type() == at::kBFloat16) {
+      quantize_rows<c10::BFloat16>(k, slot, k_cache, k_scale);
+      quantize_rows<c10::BFloat16>(v, slot, v_cache, v_scale);
+    } else {
+      quantize_rows<float>(k, slot, k_cache, k_scale);
+      quantize_rows<float>(v, slot, v_cache, v_scale);
+    }
+    return;
+  }
   const int64_t row_bytes = k_cache.size(2) * k_cache.size(3) * k_cache.element_size();
   const int64_t elem = k.element_size();
   auto* k_to = static_cast<char*>(k_cache.data_ptr());
   auto* v_to = static_cast<char*>(v_cache.data_ptr());
   const auto* k_from = static_cast<const char*>(k.data_ptr());
   const auto* v_from = static_cast<const char*>(v.data_ptr());
-  for (int64_t t = 0; t < k.size(0); ++t)
-    TORCH_CHECK(0 <= slot[t] && slot[t] < num_slots, "slot ", slot[t], " is outside the cache");
   for (int64_t t = 0; t < k.size(0); ++t) {
     std::memcpy(k_to + slot[t] * row_bytes, k_from + t * k.stride(0) * elem, row_bytes);
     std::memcpy(v_to + slot[t] * row_bytes, v_from + t * v.stride(0) * elem, row_bytes);
