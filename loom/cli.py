@@ -230,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--decode-batches", default="1,64", help="running requests in the decode figure")
     pf.add_argument("--prefill-tokens", type=int, default=2048)
     pf.add_argument("--kv-cache-memory", type=float, default=3.0, help="GiB")
+    pf.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                    help="the KV cache of every figure's engine; the agreement figure's float32 run keeps auto")
     pf.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
     pf.add_argument("--matmul-backend", default="auto", choices=list(MATMUL_BACKENDS))
     pf.add_argument("--quantizations", default="auto", help="each dtype runs with each: auto, gguf, none")

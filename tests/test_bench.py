@@ -198,7 +198,7 @@ def test_offline_run_holds_itself_to_its_own_matmul_peak(tiny_llama_dir, capsys)
         assert 0 < line["roofline_fraction_of_peak"] <= 1
 
 
-def test_agreement_runs_both_dtypes_on_the_given_backends(tiny_llama, monkeypatch):
+def test_agreement_runs_both_dtypes_on_the_given_backends_and_kv_cache(tiny_llama, monkeypatch):
     from loom.bench import perf
 
     built: list[EngineConfig] = []
@@ -211,10 +211,11 @@ def test_agreement_runs_both_dtypes_on_the_given_backends(tiny_llama, monkeypatc
     monkeypatch.setattr(perf, "LLMEngine", RecordingEngine)
     monkeypatch.setattr(perf, "mixed_workload", lambda tokenizer, n: [BenchRequest([5, 6, 7, 8], 6)] * n)
     config = EngineConfig(attention_backend="reference", layer_ops="torch", quantization="none",
-                          cache=CacheConfig(num_kv_blocks=64))
+                          cache=CacheConfig(num_kv_blocks=64, kv_cache_dtype="int8"))
     result = perf.dtype_agreement(tiny_llama, 3, config)
     assert [c.dtype for c in built] == [torch.float32, torch.bfloat16]
     assert all((c.attention_backend, c.layer_ops, c.quantization) == ("reference", "torch", "none") for c in built)
+    assert [c.cache.kv_cache_dtype for c in built] == ["auto", "int8"]  # the float32 reference keeps its own dtype
     assert result["requests"] == 3 and result["tokens"] == 18
     assert 0 <= result["position_agreement"] <= 1 and 0 <= result["identical_requests"] <= 3
 

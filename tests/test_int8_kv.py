@@ -91,7 +91,9 @@ def test_decode_kernel_attends_the_dequantized_values(kernel, dtype, heads, kv_h
     scale = head_dim**-0.5
     kernel.decode_attention(q, k_int8[0], v_int8[0], tables, lens, out, scale, k_int8[1], v_int8[1])
     expected = obvious_decode(q, keys, values, tables, lens, scale)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    # float32: AVX-512 VNNI CPUs take a path that rounds q to int16 (2^-16 of each head's largest value) for its
+    # integer dot products with the key codes, a little above float32's own rounding.
+    tol = 2e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
     for rows in (slice(4, 6), slice(5, 6)):  # the same bits in a smaller batch
         few = torch.full_like(q[rows], float("nan"))

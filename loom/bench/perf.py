@@ -253,7 +253,7 @@ def main(args: argparse.Namespace) -> int:
         backend = matmul_backend_name(engine.runner.model)
         base = {"dtype": dtype, "quantization": quantization, "threads": torch.get_num_threads(),
                 "attention_backend": type(engine.runner.attention).__name__, "matmul_backend": backend,
-                "layer_ops": layer_ops_name(engine.runner.model)}
+                "layer_ops": layer_ops_name(engine.runner.model), "kv_cache_dtype": args.kv_cache_dtype}
         peaks = {backend: matmul_peak(engine.runner.model)}
         twin = dense_twin(loaded, engine)
         if twin is not None:
@@ -279,6 +279,7 @@ def main(args: argparse.Namespace) -> int:
         for quantization in quantizations:
             emit({"figure": "agreement", "quantization": quantization, "attention_backend": args.attention_backend,
                   "matmul_backend": args.matmul_backend, "layer_ops": args.layer_ops,
+                  "kv_cache_dtype": args.kv_cache_dtype,
                   **dtype_agreement(loaded, args.agreement_requests, engine_config(args, "float32", quantization))})
     return 0
 
@@ -289,7 +290,8 @@ def engine_config(args: argparse.Namespace, dtype: str, quantization: str) -> En
         dtype=dtype, num_threads=args.threads, attention_backend=args.attention_backend,
         matmul_backend=args.matmul_backend, quantization=quantization, layer_ops=args.layer_ops,
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max(2048, args.prefill_tokens)),
-        cache=CacheConfig(kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), enable_prefix_caching=False),
+        cache=CacheConfig(kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), enable_prefix_caching=False,
+                          kv_cache_dtype=args.kv_cache_dtype),
     )
 
 
@@ -297,11 +299,13 @@ def dtype_agreement(loaded: LoadedModel, num_requests: int, config: EngineConfig
     """Share of positions where bf16 and fp32 greedy outputs agree, and of requests identical throughout.
 
     Both runs use `config` (backends, quantization, threads) but for the dtype, so a flag such as
-    --attention-backend reference shows whether a kernel moves the agreement."""
+    --attention-backend reference shows whether a kernel moves the agreement. The float32 run, the reference,
+    keeps its own-dtype KV cache: an int8 cache in `config` is measured in the bfloat16 run alone."""
     requests = mixed_workload(loaded.tokenizer, num_requests)
     outputs = {}
-    for dtype in ("float32", "bfloat16"):
-        engine = LLMEngine(dataclasses.replace(config, dtype=dtype), loaded)
+    reference_cache = dataclasses.replace(config.cache, kv_cache_dtype="auto")
+    for dtype, cache in (("float32", reference_cache), ("bfloat16", config.cache)):
+        engine = LLMEngine(dataclasses.replace(config, dtype=dtype, cache=cache), loaded)
         _, outputs[dtype], _ = run_once(engine, requests, "continuous", num_requests, 512)
     same_positions = total = identical = prefix = 0
     for a, b in zip(outputs["float32"], outputs["bfloat16"]):

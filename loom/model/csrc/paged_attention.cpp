@@ -142,6 +142,7 @@ struct DecodeScratch {
   std::vector<c10::BFloat16> query_tiles;  // bf16_scores_by_tiles: the query heads as B tiles
   std::vector<float> tile_sums;            // bf16_scores_by_tiles: [tile][head][token]
   std::vector<float> half_acc, half_sums;  // attend_decode_bf16: each half's value, exp sums [2][head][dim], [2][head]
+  std::vector<float> q_scales;             // attend_decode_int8: [head], q's int16 scale times the softmax scale
   DecodeScratch(const PagedGeometry& g, int64_t max_len) {
     const int64_t vecs = g.padded_dim() / kLanes;
     q.resize(g.num_heads * vecs), acc.resize(g.num_heads * vecs), dots.resize(g.num_heads * kLanes);
@@ -151,6 +152,7 @@ struct DecodeScratch {
     query_tiles.resize(g.num_heads * g.padded_dim());
     tile_sums.resize(g.num_heads * round_up(max_len, 16));
     half_acc.resize(2 * g.num_heads * g.padded_dim()), half_sums.resize(2 * g.num_heads);
+    q_scales.resize(g.num_heads);
   }
 };
 
@@ -728,6 +730,139 @@ Bf16Phases bf16_phases_for(int64_t group) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// 16 int8 codes as float32, exactly (one sign-extending load, one conversion).
+inline __m512 codes16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Decode attention over an int8 cache with AVX-512 (VNNI), for head sizes of NV 16-value vectors (NV even) and GQA
+// groups of GROUP: the same work item as attend_decode, with no copy of a row. Keys token by token: q is rounded to
+// int16 once (a scale per head: a relative error under 2^-15 of the head's largest value, far below bfloat16's own),
+// key codes are widened to int16 (one instruction a 32), and VPDPWSSD sums their products exactly in int32; the sum
+// times the key's scale and q's is the score. Each head's dot products of eight tokens are summed across lanes
+// together (vec.h). Then the softmax (softmax_scores); then values one KV head at a time, codes widened to float32,
+// GROUP x NV accumulators in registers, a value's scale folded into its probability. While a block's keys are read,
+// the keys kAhead blocks on are asked for row by row (as RowWalker does) and the block's values' streams are started,
+// so the value walk finds them in L2.
+template <typename T, int NV, int GROUP>
+void attend_decode_int8(const T* q, const int8_t* k_cache, const int8_t* v_cache, const int64_t* table,
+                        int64_t begin, int64_t end, T* out, const Partial* partial, const PagedGeometry& g,
+                        DecodeScratch& scratch) {
+  constexpr int64_t kDim = 16 * NV;
+  const int64_t num_kv = g.num_kv_heads, num_q = num_kv * GROUP, len = end - begin, padded_len = round_up(len, kLanes);
+  const int64_t bs = g.block_size, row_size = g.row_size;
+  float* scores = scratch.scores.data();
+  float* inv_sum = scratch.inv_sum.data();
+  Vec* dots = scratch.dots.data();
+  int16_t* q16 = reinterpret_cast<int16_t*>(scratch.q.data());  // [local head][kDim]
+  float* q_scales = scratch.q_scales.data();                     // [local head]: times g.scale
+  for (int64_t h = 0; h < num_q; ++h) {
+    float absmax = 0.f;
+    for (int64_t d = 0; d < kDim; ++d) absmax = std::max(absmax, std::fabs(widen(q[h * kDim + d])));
+    const float inverse = absmax > 0.f ? 32767.f / absmax : 0.f;
+    for (int64_t d = 0; d < kDim; ++d) q16[h * kDim + d] = static_cast<int16_t>(std::nearbyint(widen(q[h * kDim + d]) * inverse));
+    q_scales[h] = absmax / 32767.f * g.scale;
+  }
+
+  // Each run of rows [t, t + rows) within one block, in token order: visit(slot of row t, its item index, rows,
+  // the block's index in the table).
+  const auto for_each_run = [&](auto visit) {
+    for (int64_t t = begin; t < end;) {
+      const int64_t block = t / bs, offset = t % bs, rows = std::min(bs - offset, end - t);
+      visit(table[block] * bs + offset, t - begin, rows, block);
+      t += rows;
+    }
+  };
+  const int64_t row_bytes = num_kv * kDim;
+  for_each_run([&](int64_t slot0, int64_t i0, int64_t rows, int64_t block) {
+    const bool ahead = (block + kAhead) * bs < end;
+    const int64_t ahead_slot0 = ahead ? table[block + kAhead] * bs + slot0 % bs : 0;
+    start_streams(v_cache + slot0 * row_size, rows * row_bytes);
+    __builtin_prefetch(g.v_scales + slot0 * num_kv);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t slot = slot0 + r, i = i0 + r, lane = i % kLanes;
+      if (ahead) {
+        const char* next = reinterpret_cast<const char*>(k_cache + (ahead_slot0 + r) * row_size);
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b);
+        __builtin_prefetch(g.k_scales + (ahead_slot0 + r) * num_kv);
+      }
+      const int8_t* keys = k_cache + slot * row_size;
+      for (int64_t kv = 0; kv < num_kv; ++kv) {
+        __m512i k[NV / 2];
+        for (int u = 0; u < NV / 2; ++u)
+          k[u] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + kv * kDim + 32 * u)));
+        const __m256 key_scale = _mm256_set1_ps(g.k_scales[slot * num_kv + kv]);
+        for (int h = 0; h < GROUP; ++h) {
+          const int16_t* qh = q16 + (kv * GROUP + h) * kDim;
+          __m512i dot = _mm512_setzero_si512();
+          for (int u = 0; u < NV / 2; ++u) dot = _mm512_dpwssd_epi32(dot, _mm512_loadu_si512(qh + 32 * u), k[u]);
+          const __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(dot), _mm512_extracti32x8_epi32(dot, 1));
+          dots[(kv * GROUP + h) * kLanes + lane] = reinterpret_cast<Vec>(_mm256_mul_ps(_mm256_cvtepi32_ps(half), key_scale));
+        }
+      }
+      if (lane == kLanes - 1 || i == len - 1) {  // eight tokens' dot products (the last group zero-padded)
+        for (int64_t h = 0; h < num_q; ++h) {
+          for (int64_t pad = lane + 1; pad < kLanes; ++pad) dots[h * kLanes + pad] = Vec{};
+          const Vec s = loom::sum_lanes_of_eight(dots + h * kLanes) * q_scales[h];
+          std::memcpy(scores + h * padded_len + i - lane, &s, sizeof s);
+        }
+      }
+    }
+  });
+
+  softmax_scores(scores, num_q, len, padded_len, partial, inv_sum);
+
+  for (int64_t kv = 0; kv < num_kv; ++kv) {
+    __m512 acc[GROUP][NV];
+    for (int h = 0; h < GROUP; ++h)
+      for (int u = 0; u < NV; ++u) acc[h][u] = _mm512_setzero_ps();
+    const float* p_first = scores + kv * GROUP * padded_len;
+    for_each_run([&](int64_t slot0, int64_t i0, int64_t rows, int64_t block) {
+      const bool ahead = kv == 0 && (block + kAhead) * bs < end;  // the first walk brings the rows in
+      const int64_t ahead_slot0 = ahead ? table[block + kAhead] * bs + slot0 % bs : 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t slot = slot0 + r, i = i0 + r;
+        if (ahead) {
+          const char* next = reinterpret_cast<const char*>(v_cache + (ahead_slot0 + r) * row_size);
+          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b);
+          __builtin_prefetch(g.v_scales + (ahead_slot0 + r) * num_kv);
+        }
+        const int8_t* values = v_cache + slot * row_size + kv * kDim;
+        __m512 v[NV];
+        for (int u = 0; u < NV; ++u) v[u] = codes16(values + 16 * u);
+        const float value_scale = g.v_scales[slot * num_kv + kv];
+        for (int h = 0; h < GROUP; ++h) {
+          const __m512 p = _mm512_set1_ps(p_first[h * padded_len + i] * value_scale);
+          for (int u = 0; u < NV; ++u) acc[h][u] = _mm512_fmadd_ps(p, v[u], acc[h][u]);
+        }
+      }
+    });
+    for (int h = 0; h < GROUP; ++h) {
+      const int64_t local = kv * GROUP + h;
+      if (partial) {
+        for (int u = 0; u < NV; ++u) _mm512_storeu_ps(partial->acc + local * kDim + 16 * u, acc[h][u]);
+      } else {
+        float a[kDim];
+        for (int u = 0; u < NV; ++u) _mm512_storeu_ps(a + 16 * u, _mm512_mul_ps(acc[h][u], _mm512_set1_ps(inv_sum[local])));
+        for (int64_t d = 0; d < kDim; ++d) out[local * kDim + d] = T(a[d]);
+      }
+    }
+  }
+}
+
+// attend_decode_int8 for this geometry (head sizes 32, 64, 128; GQA groups up to 8 whose value accumulators fit in
+// registers), or null.
+template <typename T, int NV, int GROUP = 1>
+auto int8_decode_for(int64_t group) -> decltype(&attend_decode_int8<T, NV, 1>) {
+  if constexpr (GROUP > 8 || GROUP * NV > 24) {
+    return nullptr;
+  } else {
+    return group == GROUP ? &attend_decode_int8<T, NV, GROUP> : int8_decode_for<T, NV, GROUP + 1>(group);
+  }
+}
+#endif
+
 // One sequence's output from its chunks' partials (`chunks` of them, for all heads), merged in chunk order:
 // each chunk's sums rescaled by exp(its maximum - the overall maximum).
 template <typename T>
@@ -932,6 +1067,15 @@ void decode_attention_impl(const T* q, const C* k_cache, const C* v_cache, const
                : g.padded_dim() == 16 * kLanes ? attend_decode<T, T, T, 16>
                                              : attend_decode<T, T, T, 0>;
   }
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  if constexpr (std::is_same_v<C, int8_t> && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
+    decltype(attend) fast = nullptr;
+    if (g.head_dim == 32) fast = int8_decode_for<T, 2>(g.group());
+    if (g.head_dim == 64) fast = int8_decode_for<T, 4>(g.group());
+    if (g.head_dim == 128) fast = int8_decode_for<T, 8>(g.group());
+    if (fast) attend = fast;
+  }
+#endif
 #if defined(__AVX512BF16__) || defined(__AVX2__)
   if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>) {
     decltype(attend) fast = nullptr;
