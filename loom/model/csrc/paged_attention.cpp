@@ -742,9 +742,17 @@ inline __m512 codes16(const int8_t* p) {
 // key codes are widened to int16 (one instruction a 32), and VPDPWSSD sums their products exactly in int32; the sum
 // times the key's scale and q's is the score. Each head's dot products of eight tokens are summed across lanes
 // together (vec.h). Then the softmax (softmax_scores); then values one KV head at a time, codes widened to float32,
-// GROUP x NV accumulators in registers, a value's scale folded into its probability. While a block's keys are read,
-// the keys kAhead blocks on are asked for row by row (as RowWalker does) and the block's values' streams are started,
-// so the value walk finds them in L2.
+// GROUP x NV accumulators in registers, a value's scale folded into its probability.
+// Memory, not arithmetic, sets the pace (at 64 x 512, 4 sequences' caches in L2 take 1/16 of the time or less, and
+// the samples gather on prefetches): while a key row is read, the key row kAhead blocks on is asked for (as
+// RowWalker does) and the same token's value row is asked for to L2 line by line, so the value walk finds its rows
+// there. Random block tables, 30 layers' caches, 64 x 512, medians of 9 passes: values' streams started a block at a
+// time and the value walk prefetching kAhead blocks on, 1120-1155 us a layer; each value row asked for with its key
+// row, 1017-1045 (bfloat16's kernel in the same runs 1230-1300). Tried and no faster: the key walk's prefetches as
+// streams started a block at a time (1675), keys 1-6 blocks ahead (within the noise), keys' scores on AMX int8 tiles
+// (TDPBSSD and TDPBSUD on q's high and low bytes: the same integers; 1163-1210 against these vectors' 1120-1143),
+// values by VPDPWSSD on pairs of tokens with their weights as int16 codes (963-1014: within the noise, and a second
+// rounding).
 template <typename T, int NV, int GROUP>
 void attend_decode_int8(const T* q, const int8_t* k_cache, const int8_t* v_cache, const int64_t* table,
                         int64_t begin, int64_t end, T* out, const Partial* partial, const PagedGeometry& g,
@@ -778,8 +786,6 @@ void attend_decode_int8(const T* q, const int8_t* k_cache, const int8_t* v_cache
   for_each_run([&](int64_t slot0, int64_t i0, int64_t rows, int64_t block) {
     const bool ahead = (block + kAhead) * bs < end;
     const int64_t ahead_slot0 = ahead ? table[block + kAhead] * bs + slot0 % bs : 0;
-    start_streams(v_cache + slot0 * row_size, rows * row_bytes);
-    __builtin_prefetch(g.v_scales + slot0 * num_kv);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t slot = slot0 + r, i = i0 + r, lane = i % kLanes;
       if (ahead) {
@@ -787,6 +793,9 @@ void attend_decode_int8(const T* q, const int8_t* k_cache, const int8_t* v_cache
         for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b);
         __builtin_prefetch(g.k_scales + (ahead_slot0 + r) * num_kv);
       }
+      const char* values_row = reinterpret_cast<const char*>(v_cache + slot * row_size);
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(values_row + b, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(g.v_scales + slot * num_kv), _MM_HINT_T1);
       const int8_t* keys = k_cache + slot * row_size;
       for (int64_t kv = 0; kv < num_kv; ++kv) {
         __m512i k[NV / 2];
@@ -818,16 +827,9 @@ void attend_decode_int8(const T* q, const int8_t* k_cache, const int8_t* v_cache
     for (int h = 0; h < GROUP; ++h)
       for (int u = 0; u < NV; ++u) acc[h][u] = _mm512_setzero_ps();
     const float* p_first = scores + kv * GROUP * padded_len;
-    for_each_run([&](int64_t slot0, int64_t i0, int64_t rows, int64_t block) {
-      const bool ahead = kv == 0 && (block + kAhead) * bs < end;  // the first walk brings the rows in
-      const int64_t ahead_slot0 = ahead ? table[block + kAhead] * bs + slot0 % bs : 0;
+    for_each_run([&](int64_t slot0, int64_t i0, int64_t rows, int64_t) {
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t slot = slot0 + r, i = i0 + r;
-        if (ahead) {
-          const char* next = reinterpret_cast<const char*>(v_cache + (ahead_slot0 + r) * row_size);
-          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b);
-          __builtin_prefetch(g.v_scales + (ahead_slot0 + r) * num_kv);
-        }
         const int8_t* values = v_cache + slot * row_size + kv * kDim;
         __m512 v[NV];
         for (int u = 0; u < NV; ++u) v[u] = codes16(values + 16 * u);
