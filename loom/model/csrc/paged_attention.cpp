@@ -750,7 +750,8 @@ inline __m512 codes16(const int8_t* p) {
 // time and the value walk prefetching kAhead blocks on, 1120-1155 us a layer; each value row asked for with its key
 // row, 1017-1045 (bfloat16's kernel in the same runs 1230-1300). Tried and no faster: the key walk's prefetches as
 // streams started a block at a time (1675), keys 1-6 blocks ahead (within the noise), keys' scores on AMX int8 tiles
-// (TDPBSSD and TDPBSUD on q's high and low bytes: the same integers; 1163-1210 against these vectors' 1120-1143),
+// (TDPBSSD and TDPBSUD on q's high and low bytes: the same integers; 1163-1210 against these vectors' 1120-1143;
+// again with the value rows asked for per tile, 1247-1249 against 1012-1032, and in L2 54 against 44 us),
 // values by VPDPWSSD on pairs of tokens with their weights as int16 codes (963-1014: within the noise, and a second
 // rounding).
 template <typename T, int NV, int GROUP>
