@@ -743,17 +743,17 @@ inline __m512 codes16(const int8_t* p) {
 // times the key's scale and q's is the score. Each head's dot products of eight tokens are summed across lanes
 // together (vec.h). Then the softmax (softmax_scores); then values one KV head at a time, codes widened to float32,
 // GROUP x NV accumulators in registers, a value's scale folded into its probability.
-// Memory, not arithmetic, sets the pace (at 64 x 512, 4 sequences' caches in L2 take 1/16 of the time or less, and
-// the samples gather on prefetches): while a key row is read, the key row kAhead blocks on is asked for (as
-// RowWalker does) and the same token's value row is asked for to L2 line by line, so the value walk finds its rows
-// there. Random block tables, 30 layers' caches, 64 x 512, medians of 9 passes: values' streams started a block at a
-// time and the value walk prefetching kAhead blocks on, 1120-1155 us a layer; each value row asked for with its key
-// row, 1017-1045 (bfloat16's kernel in the same runs 1230-1300). Tried and no faster: the key walk's prefetches as
+// Waits for memory were most of its time (perf's samples gathered on the prefetches), so: while a key row is read,
+// the key row kAhead blocks on is asked for (as RowWalker does) and the same token's value row is asked for to L2
+// line by line, so the value walk finds its rows there. Since, 4 sequences' caches in L2 take 44-50 us against
+// 64 x 512's 1017-1045 / 16 from memory: arithmetic is most of the time now.
+// Random block tables, 30 layers' caches, 64 x 512, medians of 9 passes: values' streams started a block at a time
+// and the value walk prefetching kAhead blocks on, 1120-1155 us a layer; each value row asked for with its key row,
+// 1017-1045 (bfloat16's kernel in the same runs 1230-1300). Tried and no faster: the key walk's prefetches as
 // streams started a block at a time (1675), keys 1-6 blocks ahead (within the noise), keys' scores on AMX int8 tiles
 // (TDPBSSD and TDPBSUD on q's high and low bytes: the same integers; 1163-1210 against these vectors' 1120-1143;
-// again with the value rows asked for per tile, 1247-1249 against 1012-1032, and in L2 54 against 44 us),
-// values by VPDPWSSD on pairs of tokens with their weights as int16 codes (963-1014: within the noise, and a second
-// rounding).
+// again with the value rows asked for per tile, 1247-1249 against 1012-1032, and in L2 54 against 44 us), values by
+// VPDPWSSD on pairs of tokens with their weights as int16 codes (963-1014: within the noise, and a second rounding).
 template <typename T, int NV, int GROUP>
 void attend_decode_int8(const T* q, const int8_t* k_cache, const int8_t* v_cache, const int64_t* table,
                         int64_t begin, int64_t end, T* out, const Partial* partial, const PagedGeometry& g,
@@ -770,7 +770,8 @@ void attend_decode_int8(const T* q, const int8_t* k_cache, const int8_t* v_cache
     float absmax = 0.f;
     for (int64_t d = 0; d < kDim; ++d) absmax = std::max(absmax, std::fabs(widen(q[h * kDim + d])));
     const float inverse = absmax > 0.f ? 32767.f / absmax : 0.f;
-    for (int64_t d = 0; d < kDim; ++d) q16[h * kDim + d] = static_cast<int16_t>(std::nearbyint(widen(q[h * kDim + d]) * inverse));
+    for (int64_t d = 0; d < kDim; ++d)
+      q16[h * kDim + d] = static_cast<int16_t>(std::nearbyint(widen(q[h * kDim + d]) * inverse));
     q_scales[h] = absmax / 32767.f * g.scale;
   }
 
@@ -808,7 +809,8 @@ void attend_decode_int8(const T* q, const int8_t* k_cache, const int8_t* v_cache
           __m512i dot = _mm512_setzero_si512();
           for (int u = 0; u < NV / 2; ++u) dot = _mm512_dpwssd_epi32(dot, _mm512_loadu_si512(qh + 32 * u), k[u]);
           const __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(dot), _mm512_extracti32x8_epi32(dot, 1));
-          dots[(kv * GROUP + h) * kLanes + lane] = reinterpret_cast<Vec>(_mm256_mul_ps(_mm256_cvtepi32_ps(half), key_scale));
+          dots[(kv * GROUP + h) * kLanes + lane] =
+              reinterpret_cast<Vec>(_mm256_mul_ps(_mm256_cvtepi32_ps(half), key_scale));
         }
       }
       if (lane == kLanes - 1 || i == len - 1) {  // eight tokens' dot products (the last group zero-padded)
@@ -847,7 +849,8 @@ void attend_decode_int8(const T* q, const int8_t* k_cache, const int8_t* v_cache
         for (int u = 0; u < NV; ++u) _mm512_storeu_ps(partial->acc + local * kDim + 16 * u, acc[h][u]);
       } else {
         float a[kDim];
-        for (int u = 0; u < NV; ++u) _mm512_storeu_ps(a + 16 * u, _mm512_mul_ps(acc[h][u], _mm512_set1_ps(inv_sum[local])));
+        for (int u = 0; u < NV; ++u)
+          _mm512_storeu_ps(a + 16 * u, _mm512_mul_ps(acc[h][u], _mm512_set1_ps(inv_sum[local])));
         for (int64_t d = 0; d < kDim; ++d) out[local * kDim + d] = T(a[d]);
       }
     }
