@@ -753,7 +753,8 @@ inline __m512 codes16(const int8_t* p) {
 // streams started a block at a time (1675), keys 1-6 blocks ahead (within the noise), keys' scores on AMX int8 tiles
 // (TDPBSSD and TDPBSUD on q's high and low bytes: the same integers; 1163-1210 against these vectors' 1120-1143;
 // again with the value rows asked for per tile, 1247-1249 against 1012-1032, and in L2 54 against 44 us), values by
-// VPDPWSSD on pairs of tokens with their weights as int16 codes (963-1014: within the noise, and a second rounding).
+// VPDPWSSD on pairs of tokens with their weights as int16 codes (963-1014: within the noise, and a second rounding),
+// the exps taken in the value walk as bf16_values does (1122-1151 against 1032-1081, alternating builds).
 template <typename T, int NV, int GROUP>
 void attend_decode_int8(const T* q, const int8_t* k_cache, const int8_t* v_cache, const int64_t* table,
                         int64_t begin, int64_t end, T* out, const Partial* partial, const PagedGeometry& g,
