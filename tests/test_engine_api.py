@@ -66,6 +66,8 @@ def test_config_validation():
         EngineConfig(matmul_backend="blas")
     with pytest.raises(ValueError, match="block_size"):
         CacheConfig(block_size=0)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        CacheConfig(kv_cache_dtype="fp8")
 
 
 def test_block_pool_ref_counts_and_double_free():

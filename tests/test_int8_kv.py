@@ -152,3 +152,16 @@ def test_int8_engine_gives_each_request_its_alone_output_in_any_mix(tiny_llama, 
         done = drive(engine, workload, [rng.randint(0, 10) for _ in workload])
         assert [done[i] for i in range(len(workload))] == expected
         assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
+
+
+def test_the_command_line_asks_for_an_int8_cache():
+    from loom.cli import build_parser, engine_config
+
+    for command in (["serve"], ["bench", "offline"]):
+        assert engine_config(build_parser().parse_args([*command, "--kv-cache-dtype", "int8"]),
+                             dtype="bfloat16", quantization="none").cache.kv_cache_dtype == "int8"
+        assert engine_config(build_parser().parse_args(command), dtype="bfloat16",
+                             quantization="none").cache.kv_cache_dtype == "auto"
+    assert build_parser().parse_args(["bench", "perf", "--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
