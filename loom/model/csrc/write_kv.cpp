@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "int8_kv.h"
+#include "paged_geometry.h"
 
 namespace {
 
@@ -24,14 +25,10 @@ void check_rows(const torch::Tensor& rows, const torch::Tensor& cache, const cha
 }
 
 void check_scales(const torch::Tensor& cache, const std::optional<torch::Tensor>& scales, const char* name) {
-  if (cache.scalar_type() != at::kChar) {
+  if (cache.scalar_type() == at::kChar)
+    loom::check_scales(cache, scales, name);
+  else
     TORCH_CHECK(!scales, "scales go with int8 caches alone");
-    return;
-  }
-  TORCH_CHECK(scales && scales->scalar_type() == at::kFloat && scales->is_contiguous() && scales->dim() == 3 &&
-                  scales->size(0) == cache.size(0) && scales->size(1) == cache.size(1) &&
-                  scales->size(2) == cache.size(2),
-              name, " must be contiguous float32 [blocks, block_size, num_kv_heads] for its int8 cache");
 }
 
 // Token t's rows of `rows` quantized into an int8 cache at row slot[t], their scales alongside.
