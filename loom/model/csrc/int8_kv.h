@@ -6,23 +6,25 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "bfloat16.h"
 
 namespace loom {
 
-constexpr float kInverse127 = 1.f / 127.f;
-
-// One head's n values as codes; returns their scale. loom/model/kv_quant.py computes the same bits: inverse =
-// 127 / absmax (0 for a row of zeros), code = x * inverse rounded half to even, scale = absmax * (1 / 127).
-template <typename T>
-inline float quantize_head(const T* x, int64_t n, int8_t* codes) {
+// One head's n values as codes of Code, whose largest value is kMax (127 for the cache's int8 codes, 32767 for the
+// int16 queries of paged_attention.cpp's int8 decode); returns their scale. inverse = kMax / absmax (0 for a row of
+// zeros), code = x * inverse rounded half to even, scale = absmax * (1 / kMax). For int8 codes
+// loom/model/kv_quant.py computes the same bits.
+template <typename Code, typename T>
+inline float quantize_head(const T* x, int64_t n, Code* codes) {
+  constexpr float kMax = std::numeric_limits<Code>::max();
   float absmax = 0.f;
   for (int64_t d = 0; d < n; ++d) absmax = std::max(absmax, std::fabs(static_cast<float>(x[d])));
-  const float inverse = absmax > 0.f ? 127.f / absmax : 0.f;
+  const float inverse = absmax > 0.f ? kMax / absmax : 0.f;
   for (int64_t d = 0; d < n; ++d)
-    codes[d] = static_cast<int8_t>(std::clamp(std::nearbyint(static_cast<float>(x[d]) * inverse), -127.f, 127.f));
-  return absmax * kInverse127;
+    codes[d] = static_cast<Code>(std::clamp(std::nearbyint(static_cast<float>(x[d]) * inverse), -kMax, kMax));
+  return absmax * (1.f / kMax);
 }
 
 // A cache value as float32: itself (widened or narrowed), or an int8 code times its scale.

@@ -738,7 +738,7 @@ inline __m512 codes16(const int8_t* p) {
 
 // Decode attention over an int8 cache with AVX-512 (VNNI), for head sizes of NV 16-value vectors (NV even) and GQA
 // groups of GROUP: the same work item as attend_decode, with no copy of a row. Keys token by token: q is rounded to
-// int16 once (a scale per head: a relative error under 2^-15 of the head's largest value, far below bfloat16's own),
+// int16 once (quantize_head: an error of at most 2^-16 of the head's largest value, far below bfloat16's own),
 // key codes are widened to int16 (one instruction a 32), and VPDPWSSD sums their products exactly in int32; the sum
 // times the key's scale and q's is the score. Each head's dot products of eight tokens are summed across lanes
 // together (vec.h). Then the softmax (softmax_scores); then values one KV head at a time, codes widened to float32,
@@ -767,14 +767,7 @@ void attend_decode_int8(const T* q, const int8_t* k_cache, const int8_t* v_cache
   Vec* dots = scratch.dots.data();
   int16_t* q16 = reinterpret_cast<int16_t*>(scratch.q.data());  // [local head][kDim]
   float* q_scales = scratch.q_scales.data();                     // [local head]: times g.scale
-  for (int64_t h = 0; h < num_q; ++h) {
-    float absmax = 0.f;
-    for (int64_t d = 0; d < kDim; ++d) absmax = std::max(absmax, std::fabs(widen(q[h * kDim + d])));
-    const float inverse = absmax > 0.f ? 32767.f / absmax : 0.f;
-    for (int64_t d = 0; d < kDim; ++d)
-      q16[h * kDim + d] = static_cast<int16_t>(std::nearbyint(widen(q[h * kDim + d]) * inverse));
-    q_scales[h] = absmax / 32767.f * g.scale;
-  }
+  for (int64_t h = 0; h < num_q; ++h) q_scales[h] = loom::quantize_head(q + h * kDim, kDim, q16 + h * kDim) * g.scale;
 
   // Each run of rows [t, t + rows) within one block, in token order: visit(slot of row t, its item index, rows,
   // the block's index in the table).
