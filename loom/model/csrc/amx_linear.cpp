@@ -274,6 +274,14 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const Wei
   // Not for one row block (no x traffic to save), nor for weights as wide as an LM head's, which stream at memory's
   // rate already (SmolLM2's at 64 rows: 56.6 MB in ~2.0 ms) and went slower with three weight streams a thread
   // (2.0-2.1 -> 2.2-2.5 ms).
+  // Tried and not kept (thirty-first session): where k is at most 18 chunks and there are 8 row blocks or more, 2 x 2
+  // groups walking all of k in tile registers (no slices, no sums stored and reloaded), a panel pair's whole k
+  // dequantized at once (36 KiB), and x read by TILELOADDT1 (a hint not to keep it in L1, so that the weights
+  // stay). Alone, in one process flipping the two by an environment switch, 2 threads, medians of 4 rounds: 512
+  // rows qkv 2228 -> 2459 GFLOP/s, o 2158 -> 2437, gate/up 1957 -> 2051 (without the hint: 2038, 1966, 1900, slower
+  // than now). But in the forward, six alternating rounds: a 64 x 200 decode step 32.9 -> 34.3 ms, a 2048-token
+  // prefill 427 -> 437 ms. A loop of TDPBF16PS alone on tiles in registers runs 2.9 TFLOP/s on one core of this
+  // machine, twice what these calls reach: the tile loads, not the products, set their pace.
   const bool triples = num_blocks >= 2 && num_panels % 3 == 0 && num_panels <= kTripleMaxPanels;
   const int64_t group_panels = triples ? 3 : 2, group_blocks = triples ? 1 : 2;
   const int64_t blocks_per_pass = kBlockRows / kRows;

@@ -117,7 +117,10 @@ constexpr int64_t kMaxHeadVecs = 32;  // head sizes up to 256
 // the build has AVX-512, 512 (on the Xeon with AMX, alternating processes against 256: 64 sequences x 300 tokens
 // 0.96-1.01 -> 0.87-0.88 ms a layer, 64 x 512 1.52-1.55 -> 1.47-1.49, 1 x 512 0.016-0.018 -> 0.022-0.025; the mixed
 // run 1017 / 1057 / 1076 -> 1019 / 1086 / 1118 tok/s); with AVX2 alone, 256 (measured on an AMD EPYC at batch 1
-// only, see decode_attention_impl).
+// only, see decode_attention_impl). For int8 caches too (thirty-first session): chunks of 256 let a lone 512-token
+// sequence use both threads (1 x 512 21.6-22.6 -> 18.4-19.7 us a layer) but cost more than that elsewhere (1 x 300
+// 13.6-13.9 -> 15.7-16.3, 64 x 300 592-626 -> 648-652, 64 x 512 1041-1067 -> 1070-1130; random tables, 30 layers'
+// caches, one process alternating, medians of 9 passes).
 #if defined(__AVX512F__)
 constexpr int64_t kChunkTokens = 512;
 #else
