@@ -91,18 +91,29 @@ def test_rows_split_among_threads_give_every_row_its_bits(amx, threads):
     """Where each thread gets a whole 256-row pass, threads split the rows rather than the panels (a prefill, a big
     MLP chunk): every row keeps the bits it gets in a batch of a few rows, in dense tiles and GGUF blocks, with 2 x 2
     groups (70 outputs) and panel triples (96), and through the SiLU epilogue. 1100 rows: 69 row blocks, the last
-    one partial, in runs of 17 to 35 blocks a thread on 2 to 4 threads (on one thread, as before)."""
+    one partial, in runs of 17 to 35 blocks a thread on 2 to 4 threads (on one thread, as before). Split rows go
+    against ranges of panels, k in slices of 18 chunks: 1536 features take three slices (the sums resumed) and
+    ranges of 12 panels (200 outputs: two ranges, the last of one panel), 600 features a padded copy of x and a
+    one-chunk slice, and a gate/up of 2 x 320 outputs two ranges through the SiLU epilogue."""
     gen = torch.Generator().manual_seed(threads)
-    batch = torch.randn(1100, 576, generator=gen).bfloat16()
-    quantized, dense = random_quantized("q4_1", 96, 576, seed=threads)
-    gate, up = (torch.randn(48, 576, generator=gen).bfloat16() for _ in range(2))
-    linears = [amx.linear(torch.randn(70, 576, generator=gen).bfloat16()),
-               make_matmul("auto", "gguf", torch.bfloat16).linear(dense.bfloat16(), None, quantized),
-               amx.silu_mul_linear(gate, up, None, None, make_layer_ops("auto").silu_mul)]
-    for linear in linears:
+    gguf = make_matmul("auto", "gguf", torch.bfloat16)
+    silu_mul = make_layer_ops("auto").silu_mul
+    cases = []
+    for in_features in (576, 1536, 600):
+        batch = torch.randn(1100, in_features, generator=gen).bfloat16()
+        cases += [(batch, amx.linear(torch.randn(70, in_features, generator=gen).bfloat16())),
+                  (batch, amx.linear(torch.randn(200, in_features, generator=gen).bfloat16()))]
+        if in_features % 32 == 0:
+            quantized, dense = random_quantized("q4_1", 200 if in_features > 576 else 96, in_features, seed=threads)
+            cases.append((batch, gguf.linear(dense.bfloat16(), None, quantized)))
+        if in_features == 576:
+            for outputs in (48, 320):
+                gate, up = (torch.randn(outputs, 576, generator=gen).bfloat16() for _ in range(2))
+                cases.append((batch, amx.silu_mul_linear(gate, up, None, None, silu_mul)))
+    for batch, linear in cases:
         few = torch.cat([linear(rows) for rows in batch.split(40)])
         with torch_threads(threads):
-            assert torch.equal(linear(batch), few), type(linear).__name__
+            assert torch.equal(linear(batch), few), (type(linear).__name__, batch.shape[1])
 
 
 # Run in a child process, which a read past x kills with SIGSEGV: x of 3 rows ends exactly where an unreadable page

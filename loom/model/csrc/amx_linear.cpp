@@ -58,6 +58,8 @@ constexpr int64_t kBlockRows = 256;  // rows of x per pass over the weights, so 
 constexpr int64_t kSliceChunks = 6;
 constexpr int64_t kSubBlocks = 4;
 constexpr int64_t kTripleMaxPanels = 256;  // weights up to which panels go three at a time (4096 outputs; below)
+constexpr int64_t kSliceMaxChunks = 18;  // k chunks of an x row block pair that stay in L1 (36 KiB)
+constexpr int64_t kRangeTiles = 576;     // weight tiles that wait in L2 for all of a thread's rows (576 KiB)
 constexpr int64_t kSubPassTiles = 3 * kBlockRows / kRows;  // sums tiles of a sub-pass: a pass's 16 groups of 3
 
 using bf16 = c10::BFloat16;
@@ -79,7 +81,7 @@ struct RowBlock {
 // bit). `panel` is the first panel's tile at chunk c0, the others panel_elems apart. Tiles 0-3 hold the sums of (row
 // block i, panel j) at 2i + j; 4-5 the two row blocks of x; 6-7 the two panels (a third panel, with one row block, in
 // tile 5).
-template <int RB, int PB>
+template <int RB, int PB, bool kStreamPanels = false>
 void tile_group(const RowBlock* a, const bf16* panel, int64_t panel_elems, int64_t c0, int64_t c1, bool resume,
                 float* sums) {
   static_assert(RB * PB <= 4 && RB + PB <= 4, "8 tiles: RB x PB sums, RB row blocks, PB panels");
@@ -99,8 +101,13 @@ void tile_group(const RowBlock* a, const bf16* panel, int64_t panel_elems, int64
     const bf16* w = panel + (c - c0) * kTileElems;
     _tile_loadd(4, a[0].rows + c * kChunk, a[0].stride_bytes);
     if constexpr (RB == 2) _tile_loadd(5, a[1].rows + c * kChunk, a[1].stride_bytes);
-    _tile_loadd(6, w, 64);
-    if constexpr (PB >= 2) _tile_loadd(7, w + panel_elems, 64);
+    if constexpr (kStreamPanels) {
+      _tile_stream_loadd(6, w, 64);
+      if constexpr (PB >= 2) _tile_stream_loadd(7, w + panel_elems, 64);
+    } else {
+      _tile_loadd(6, w, 64);
+      if constexpr (PB >= 2) _tile_loadd(7, w + panel_elems, 64);
+    }
     if constexpr (PB == 3) _tile_loadd(5, w + 2 * panel_elems, 64);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (PB >= 2) _tile_dpbf16ps(1, 4, 7);
@@ -213,6 +220,8 @@ struct DenseTiles {
     panel_elems = chunks * kTileElems;
     return panels + p * panel_elems + c0 * kTileElems;
   }
+  // Panels [p0, p1), all of k, each panel's tiles in order of k and the panels chunks tiles apart.
+  const bf16* whole_panels(int64_t p0, int64_t /*p1*/, bf16* /*buffer*/) const { return panels + p0 * chunks * kTileElems; }
 };
 
 template <typename Format>
@@ -236,7 +245,78 @@ struct RecordTiles {
     }
     return buffer;
   }
+  const bf16* whole_panels(int64_t p0, int64_t p1, bf16* buffer) const {
+    const uint8_t* record = records + p0 * chunks * Format::kRecordBytes;
+    for (int64_t t = 0; t < (p1 - p0) * chunks; ++t, record += Format::kRecordBytes) {
+      for (int64_t line = 0; line < Format::kRecordBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(record) + kPrefetchBytes + line, _MM_HINT_T1);
+      Format::tile(record, buffer + t * kTileElems);
+    }
+    return buffer;
+  }
 };
+
+// A thread's rows [first_block, end_block) of y against all of the weight's panels, where the threads split the rows
+// (a prefill, a big MLP chunk): panels a range at a time, their tiles dequantized once for all the thread's rows
+// (kRangeTiles of them, waiting in L2), then each pair of row blocks against every panel pair of the range, k in
+// slices of up to kSliceMaxChunks whose x tiles (36 KiB at most) stay in L1 across the range, in 2 x 2 groups.
+// The weights come from L2 by TILELOADDT1, a hint not to keep them in L1, so that they do not push x out. The
+// groups' sums are rounded into y one group late, as in amx_linear_impl. Each row walks k from zero in 32-wide
+// steps (sums stored and reloaded exactly between slices): the bits of every other path.
+// Against each thread's 256-row passes over every panel group (1 x 3 groups, the weights dequantized anew each
+// pass, x from L2), one process flipping the two by an environment switch, 2 threads, medians of 4 rounds,
+// GFLOP/s at 1024 / 2048 rows: qkv 2158 / 1868 -> 2544 / 2397, o 2154 / 1653 -> 2447 / 1930, gate/up with SiLU
+// 1925 / 1735 -> 2110 / 2149, down 1908 / 2173 -> 2313 / 2358. A 2048-token prefill's forward, ten alternating
+// rounds: 428.8 -> 388.8 ms (every round faster). The mixed workload (continuous, 200 requests, three alternating
+// pairs) did not move: 1150.6 / 1126.4 / 1108.4 against 1125.6 / 1110.8 / 1138.8 tok/s, as few of its steps have
+// 512 rows. For fewer rows (panels split among threads) a 64 x 200 decode step's forward went 32.6 -> 33.6 ms: each
+// dequantized tile then serves 4 row blocks, and is better used straight from L1, so those keep the passes below.
+// The range's tiles and the groups' sums live in per-thread buffers kept between calls: allocated per call (mapped
+// fresh, 0.6 MB a thread), their page faults took half the gain (a prefill 423 -> 405 ms instead).
+template <typename Weights, typename RowBlockOf>
+void rows_against_panel_ranges(const Weights& weights, const RowBlockOf& row_block, int64_t first_block,
+                               int64_t end_block, int64_t num_panels, const float* bias, int64_t rows, bf16* y,
+                               int64_t out_features, const uint16_t* silu_table) {
+  constexpr int64_t kTileSums = kRows * kPanel;
+  const int64_t chunks = weights.chunks, panel_elems = chunks * kTileElems;
+  const int64_t range_panels = std::max<int64_t>(2, kRangeTiles / chunks / 2 * 2), range_pairs = range_panels / 2;
+  static thread_local loom::amx::TileBuffer<bf16> range_tiles;  // dequantized weights (none for dense tiles)
+  static thread_local loom::amx::TileBuffer<float> pair_sums;   // [row block pair % 2][panel pair][4 tiles]
+  if (Weights::kBufferElems > 0 && range_tiles.size() < static_cast<size_t>(range_panels * panel_elems))
+    range_tiles.resize(range_panels * panel_elems);
+  if (pair_sums.size() < static_cast<size_t>(2 * range_pairs * 4 * kTileSums))
+    pair_sums.resize(2 * range_pairs * 4 * kTileSums);
+  std::optional<TileGroup> waiting;
+  const float* waiting_sums = nullptr;
+  for (int64_t p0 = 0; p0 < num_panels; p0 += range_panels) {
+    const int64_t p1 = std::min(num_panels, p0 + range_panels);
+    const bf16* tiles = weights.whole_panels(p0, p1, range_tiles.data());
+    for (int64_t b = first_block; b < end_block; b += 2) {
+      const int rb = b + 1 < end_block ? 2 : 1;
+      const RowBlock a[2] = {row_block(b), row_block(rb == 2 ? b + 1 : b)};
+      // Sums by the pair's parity: the group waiting to be rounded is never the one being computed.
+      float* block_sums = pair_sums.data() + (b - first_block) / 2 % 2 * range_pairs * 4 * kTileSums;
+      for (int64_t c0 = 0; c0 < chunks; c0 += kSliceMaxChunks) {
+        const int64_t c1 = std::min(chunks, c0 + kSliceMaxChunks);
+        for (int64_t p = p0; p < p1; p += 2) {
+          const int pb = p + 1 < p1 ? 2 : 1;
+          const bf16* panel = tiles + (p - p0) * panel_elems + c0 * kTileElems;
+          float* group_sums = block_sums + (p - p0) / 2 * 4 * kTileSums;
+          const bool resume = c0 > 0;
+          if (rb == 2 && pb == 2) tile_group<2, 2, true>(a, panel, panel_elems, c0, c1, resume, group_sums);
+          else if (rb == 2) tile_group<2, 1, true>(a, panel, panel_elems, c0, c1, resume, group_sums);
+          else if (pb == 2) tile_group<1, 2, true>(a, panel, panel_elems, c0, c1, resume, group_sums);
+          else tile_group<1, 1, true>(a, panel, panel_elems, c0, c1, resume, group_sums);
+          if (c1 < chunks) continue;
+          if (waiting) store_group(waiting_sums, *waiting, bias, rows, y, out_features, silu_table);
+          waiting = TileGroup{p, b, rb, pb};
+          waiting_sums = group_sums;
+        }
+      }
+    }
+  }
+  if (waiting) store_group(waiting_sums, *waiting, bias, rows, y, out_features, silu_table);
+}
 
 template <typename Weights>
 void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const Weights& weights, const float* bias,
@@ -274,14 +354,9 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const Wei
   // Not for one row block (no x traffic to save), nor for weights as wide as an LM head's, which stream at memory's
   // rate already (SmolLM2's at 64 rows: 56.6 MB in ~2.0 ms) and went slower with three weight streams a thread
   // (2.0-2.1 -> 2.2-2.5 ms).
-  // Tried and not kept (thirty-first session): where k is at most 18 chunks and there are 8 row blocks or more, 2 x 2
-  // groups walking all of k in tile registers (no slices, no sums stored and reloaded), a panel pair's whole k
-  // dequantized at once (36 KiB), and x read by TILELOADDT1 (a hint not to keep it in L1, so that the weights
-  // stay). Alone, in one process flipping the two by an environment switch, 2 threads, medians of 4 rounds: 512
-  // rows qkv 2228 -> 2459 GFLOP/s, o 2158 -> 2437, gate/up 1957 -> 2051 (without the hint: 2038, 1966, 1900, slower
-  // than now). But in the forward, six alternating rounds: a 64 x 200 decode step 32.9 -> 34.3 ms, a 2048-token
-  // prefill 427 -> 437 ms. A loop of TDPBF16PS alone on tiles in registers runs 2.9 TFLOP/s on one core of this
-  // machine, twice what these calls reach: the tile loads, not the products, set their pace.
+  // Tried and not kept (thirty-first session), for panels split among threads: 2 x 2 groups over all of k with x
+  // read by TILELOADDT1 (alone at 512 rows: qkv 2228 -> 2459 GFLOP/s, o 2158 -> 2437; in the forward a 64 x 200
+  // decode step 32.9 -> 34.3 ms, slower).
   const bool triples = num_blocks >= 2 && num_panels % 3 == 0 && num_panels <= kTripleMaxPanels;
   const int64_t group_panels = triples ? 3 : 2, group_blocks = triples ? 1 : 2;
   const int64_t blocks_per_pass = kBlockRows / kRows;
@@ -290,32 +365,35 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const Wei
   // thread makes all the passes over its own panels, with no barrier between passes (the passes write disjoint
   // rows of y).
   // Where each thread would get at least a whole pass of rows (a prefill's, a big MLP chunk's), they split the rows
-  // instead, in even runs of row blocks, each run in passes against every panel group: a thread's rows of y are
-  // then in its own L2 when its part of the next call reads them (the gate/up product for down; the norms split rows
-  // the same way), where with panels split half of every row came from the other core. Each thread dequantizes
-  // the weights once a pass of its own, as many times as with panels split. A 2048-token bfloat16 prefill,
-  // alternating processes, medians of 7 (with 512-row MLP chunks, llama.py): 474 / 459 / 429 / 446 -> 406 / 418 /
-  // 421 / 430 ms (down 67-68 -> 55-58 ms, o 27-29 -> 23, qkv 45-47 -> 41-43).
+  // instead, in even runs of row blocks (rows_against_panel_ranges): a thread's rows of y are then in its own L2
+  // when its part of the next call reads them (the gate/up product for down; the norms split rows the same way),
+  // where with panels split half of every row came from the other core. A 2048-token bfloat16 prefill,
+  // alternating processes, medians of 7 (with 512-row MLP chunks, llama.py; each thread then still in passes over
+  // every panel group): 474 / 459 / 429 / 446 -> 406 / 418 / 421 / 430 ms (down 67-68 -> 55-58 ms, o 27-29 -> 23,
+  // qkv 45-47 -> 41-43).
   const int64_t threads = at::get_num_threads();
   const int64_t num_groups = (num_panels + group_panels - 1) / group_panels;
   const bool rows_split = threads > 1 && num_blocks >= threads * blocks_per_pass;
   at::parallel_for(0, rows_split ? threads : num_groups, 1, [&](int64_t i0, int64_t i1) {
-    const int64_t q0 = rows_split ? 0 : i0, q1 = rows_split ? num_groups : i1;
-    const int64_t first_block = rows_split ? i0 * num_blocks / threads : 0;
-    const int64_t end_block = rows_split ? i1 * num_blocks / threads : num_blocks;
     configure_tiles(static_cast<int>(x_tile_rows));
+    if (rows_split) {
+      rows_against_panel_ranges(weights, row_block, i0 * num_blocks / threads, i1 * num_blocks / threads, num_panels,
+                                bias, rows, y, out_features, silu_table);
+      _tile_release();
+      return;
+    }
+    constexpr int64_t kTileSums = kRows * kPanel;
     // Each group's sums are rounded into y after the next group's tiles are computed, not straight after their
     // tile stores (30 layers' matmuls at 64 rows: 12.0-12.5 -> 11.4-11.7 ms); so sums come in two sets, the
     // sub-pass's and the one before it.
-    constexpr int64_t kTileSums = kRows * kPanel;
     alignas(64) float sums[2][kSubPassTiles * kTileSums];
     alignas(64) bf16 buffer[std::max<int64_t>(Weights::kBufferElems, 1)];
     std::optional<TileGroup> pending;
     const float* pending_sums = nullptr;
     int64_t n = 0;
-    for (int64_t b0 = first_block; b0 < end_block; b0 += blocks_per_pass) {
-      const int64_t b1 = std::min(end_block, b0 + blocks_per_pass);
-      for (int64_t q = q0; q < q1; ++q) {
+    for (int64_t b0 = 0; b0 < num_blocks; b0 += blocks_per_pass) {
+      const int64_t b1 = std::min(num_blocks, b0 + blocks_per_pass);
+      for (int64_t q = i0; q < i1; ++q) {
         const int64_t p = group_panels * q;
         const int pb = static_cast<int>(std::min(group_panels, num_panels - p));
         for (int64_t s0 = b0; s0 < b1; s0 += sub_blocks, ++n) {
