@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from loom.model.layer_ops import FusedLayerOps, TorchLayerOps, make_layer_ops
-from loom.model.linear import make_matmul
-from loom.model.llama import MLP_CHUNK_ROWS_PER_THREAD
+from loom.model.linear import SiluMulAfter, make_matmul
+from loom.model.llama import AMX_MLP_CHUNK_ROWS_PER_THREAD, MLP_CHUNK_ROWS_PER_THREAD
 
 
 @pytest.fixture(scope="module")
@@ -142,11 +142,25 @@ def test_unknown_layer_ops_is_a_clear_error():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_mlp_in_row_chunks_gives_the_same_bits(tiny_llama, dtype):
-    """A step's MLP goes MLP_CHUNK_ROWS_PER_THREAD rows a thread at a time (so its intermediate stays in L2); each
-    row's result is its own, so two whole chunks and a part give the bits of one pass over all of them."""
+    """A step's MLP goes mlp_chunk_rows_per_thread rows a thread at a time (so its intermediate stays in L2, or the
+    AMX matmul's weights are dequantized fewer times); each row's result is its own, so two whole chunks and a part
+    give the bits of one pass over all of them."""
     model = tiny_llama.build(dtype, make_matmul("auto", "auto", dtype), make_layer_ops("auto"))
     layer = model.layers[0]
     gen = torch.Generator().manual_seed(0)
-    chunk_rows = MLP_CHUNK_ROWS_PER_THREAD * torch.get_num_threads()
+    chunk_rows = model.mlp_chunk_rows_per_thread * torch.get_num_threads()
     x = torch.randn(2 * chunk_rows + 88, tiny_llama.config.hidden_size, generator=gen).to(dtype)
     assert torch.equal(model.mlp(layer, x), layer.down(layer.gate_up(x)))
+
+
+def test_mlp_chunks_are_longer_where_silu_mul_is_the_amx_epilogue(tiny_llama):
+    """1024 rows a thread where SiLU x up is the AMX matmul's epilogue; 256 where it is a pass of its own."""
+    float32 = tiny_llama.build(torch.float32, make_matmul("auto", "auto", torch.float32), make_layer_ops("auto"))
+    assert isinstance(float32.layers[0].gate_up, SiluMulAfter)
+    assert float32.mlp_chunk_rows_per_thread == MLP_CHUNK_ROWS_PER_THREAD
+    matmul = make_matmul("auto", "auto", torch.bfloat16)
+    if matmul.amx_kernel is None:
+        pytest.skip("no AMX on this CPU")
+    bfloat16 = tiny_llama.build(torch.bfloat16, matmul, make_layer_ops("auto"))
+    assert not isinstance(bfloat16.layers[0].gate_up, SiluMulAfter)
+    assert bfloat16.mlp_chunk_rows_per_thread == AMX_MLP_CHUNK_ROWS_PER_THREAD
