@@ -67,7 +67,6 @@ using loom::amx::configure_tiles;
 using loom::amx::Q4_1Tiles;
 using loom::amx::Q8_0Tiles;
 using loom::amx::request_amx;
-using loom::round_to_bf16;
 
 // Where a row block of x starts and its row stride in bytes: x itself, or a zero-padded copy of its last,
 // partial block (AMX loads whole 16-row tiles).
@@ -140,25 +139,28 @@ void store_tile(const float* sums, const float* bias, int64_t rows, int64_t cols
 }
 
 // Two neighbouring whole panels' sums (+ bias) -> 32 bfloat16 columns of y, written as one 64-byte store a row
-// rather than two halves of a cache line.
+// rather than two halves of a cache line. Rounded by VCVTNE2PS2BF16: nearest even, as torch rounds, except that it
+// takes a float32 denormal (a sum under 2^-126 in magnitude) as zero. Against round_to_bf16's integer steps (and
+// in store_gated_tile), a 2048-token prefill's forward, alternating processes, medians of 9: 366.5 / 377.9 / 379.2
+// -> 363.8 / 362.8 / 363.8 ms.
 void store_tile_pair(const float* sums, const float* bias, int64_t rows, bf16* y, int64_t out_features) {
   const __m512 bias0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   const __m512 bias1 = bias ? _mm512_loadu_ps(bias + kPanel) : _mm512_setzero_ps();
   for (int64_t r = 0; r < rows; ++r) {
-    const __m256i low = round_to_bf16(_mm512_add_ps(_mm512_load_ps(sums + r * kPanel), bias0));
-    const __m256i high = round_to_bf16(_mm512_add_ps(_mm512_load_ps(sums + kRows * kPanel + r * kPanel), bias1));
-    _mm512_storeu_si512(y + r * out_features, _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1));
+    const __m512 low = _mm512_add_ps(_mm512_load_ps(sums + r * kPanel), bias0);
+    const __m512 high = _mm512_add_ps(_mm512_load_ps(sums + kRows * kPanel + r * kPanel), bias1);
+    _mm512_storeu_si512(y + r * out_features, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
   }
 }
 
 // A gated panel's sums (+ bias): columns 0-7 gate, 8-15 up (interleave_gate_up in linear.py) -> SiLU(gate) * up, 8
-// bfloat16 columns of y (row stride width), with the bits of gate and up rounded to bfloat16 and then silu_mul: two
-// rows at a time, their gates' SiLU gathered from the table (silu.h).
+// bfloat16 columns of y (row stride width), with the bits of gate and up rounded to bfloat16 (as store_tile_pair
+// rounds) and then silu_mul: two rows at a time, their gates' SiLU gathered from the table (silu.h).
 void store_gated_tile(const float* sums, const float* bias, int64_t rows, const uint16_t* silu_table, bf16* y,
                       int64_t width) {
   const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   auto row_bits = [&](int64_t r) {  // row r's 8 gates then 8 ups, rounded to bfloat16
-    return round_to_bf16(_mm512_add_ps(_mm512_load_ps(sums + std::min(r, rows - 1) * kPanel), b));
+    return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums + std::min(r, rows - 1) * kPanel), b)));
   };
   for (int64_t r = 0; r < rows; r += 2) {
     const __m256i first = row_bits(r), second = row_bits(r + 1);
