@@ -4,6 +4,7 @@ the matmul backend chooses it. Kernel tests skip on CPUs without AMX-BF16; the l
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -93,8 +94,10 @@ def test_rows_split_among_threads_give_every_row_its_bits(amx, threads):
     groups (70 outputs) and panel triples (96), and through the SiLU epilogue. 1100 rows: 69 row blocks, the last
     one partial, in runs of 17 to 35 blocks a thread on 2 to 4 threads (on one thread, as before). Split rows go
     against ranges of panels, k in slices of 18 chunks: 1536 features take three slices (the sums resumed) and
-    ranges of 12 panels (200 outputs: two ranges, the last of one panel), 600 features a padded copy of x and a
-    one-chunk slice, and a gate/up of 2 x 320 outputs two ranges through the SiLU epilogue."""
+    ranges of 12 panels (400 outputs: two whole ranges, then one of one panel; 17 row block pairs on the first of
+    two threads, so that a range's last group waits to be rounded while the next range's first groups run), 600
+    features a padded copy of x and a one-chunk slice, and a gate/up of 2 x 320 outputs two ranges through the SiLU
+    epilogue."""
     gen = torch.Generator().manual_seed(threads)
     gguf = make_matmul("auto", "gguf", torch.bfloat16)
     silu_mul = make_layer_ops("auto").silu_mul
@@ -102,9 +105,9 @@ def test_rows_split_among_threads_give_every_row_its_bits(amx, threads):
     for in_features in (576, 1536, 600):
         batch = torch.randn(1100, in_features, generator=gen).bfloat16()
         cases += [(batch, amx.linear(torch.randn(70, in_features, generator=gen).bfloat16())),
-                  (batch, amx.linear(torch.randn(200, in_features, generator=gen).bfloat16()))]
+                  (batch, amx.linear(torch.randn(400, in_features, generator=gen).bfloat16()))]
         if in_features % 32 == 0:
-            quantized, dense = random_quantized("q4_1", 200 if in_features > 576 else 96, in_features, seed=threads)
+            quantized, dense = random_quantized("q4_1", 400 if in_features > 576 else 96, in_features, seed=threads)
             cases.append((batch, gguf.linear(dense.bfloat16(), None, quantized)))
         if in_features == 576:
             for outputs in (48, 320):
@@ -278,6 +281,22 @@ def test_amx_blocks_reject_a_wrong_format_or_shape(amx):
         kernel.amx_quantized_linear(torch.randn(2, 64).bfloat16(), blocks.records, "q4_0", 16)
     with pytest.raises(RuntimeError, match="whole panels"):
         kernel.amx_quantized_linear(torch.randn(2, 64).bfloat16(), blocks.records, "q4_1", 12, None, True)
+
+
+def test_smollm2_long_prompt_whole_or_in_chunks_gives_the_same_logprobs(smollm2, amx):
+    """An 1100-token prompt prefilled in one step (the AMX matmul's threads split its rows and take the weights a
+    range of panels at a time, rows_against_panel_ranges) and in 128-token chunks (threads split the panels): the
+    same tokens with the same log-probabilities, bit for bit, through every layer of SmolLM2's GGUF blocks."""
+    prompt = random.Random(5).choices(range(100, 40000), k=1100)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=5)
+    outputs = []
+    with torch_threads(2):
+        for budget in (2048, 128):
+            llm = LLM(loaded=smollm2, dtype="bfloat16", max_num_batched_tokens=budget, num_kv_blocks=96,
+                      enable_prefix_caching=False)
+            out = llm.generate([prompt], params)[0]
+            outputs.append([(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs])
+    assert outputs[0] == outputs[1]
 
 
 def test_smollm2_bfloat16_on_amx_is_batch_invariant(smollm2, amx):

@@ -160,7 +160,8 @@ void store_gated_tile(const float* sums, const float* bias, int64_t rows, const 
                       int64_t width) {
   const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   auto row_bits = [&](int64_t r) {  // row r's 8 gates then 8 ups, rounded to bfloat16
-    return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums + std::min(r, rows - 1) * kPanel), b)));
+    const __m512 row = _mm512_add_ps(_mm512_load_ps(sums + std::min(r, rows - 1) * kPanel), b);
+    return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(row));
   };
   for (int64_t r = 0; r < rows; r += 2) {
     const __m256i first = row_bits(r), second = row_bits(r + 1);
@@ -223,7 +224,9 @@ struct DenseTiles {
     return panels + p * panel_elems + c0 * kTileElems;
   }
   // Panels [p0, p1), all of k, each panel's tiles in order of k and the panels chunks tiles apart.
-  const bf16* whole_panels(int64_t p0, int64_t /*p1*/, bf16* /*buffer*/) const { return panels + p0 * chunks * kTileElems; }
+  const bf16* whole_panels(int64_t p0, int64_t /*p1*/, bf16* /*buffer*/) const {
+    return panels + p0 * chunks * kTileElems;
+  }
 };
 
 template <typename Format>
@@ -247,6 +250,7 @@ struct RecordTiles {
     }
     return buffer;
   }
+  // Panels [p0, p1) dequantized into buffer as DenseTiles lays them out, each record's lines asked for ahead.
   const bf16* whole_panels(int64_t p0, int64_t p1, bf16* buffer) const {
     const uint8_t* record = records + p0 * chunks * Format::kRecordBytes;
     for (int64_t t = 0; t < (p1 - p0) * chunks; ++t, record += Format::kRecordBytes) {
@@ -273,6 +277,9 @@ struct RecordTiles {
 // pairs) did not move: 1150.6 / 1126.4 / 1108.4 against 1125.6 / 1110.8 / 1138.8 tok/s, as few of its steps have
 // 512 rows. For fewer rows (panels split among threads) a 64 x 200 decode step's forward went 32.6 -> 33.6 ms: each
 // dequantized tile then serves 4 row blocks, and is better used straight from L1, so those keep the passes below.
+// Splitting rows from 8 row blocks a thread instead of 16: one prompt's forward, ten-odd alternating rounds, 256
+// tokens 44.4 -> 41.6 ms, 384 tokens 66.8 -> 57.4 (128 tokens, 4 blocks a thread, 24.4 -> 26.3); but the mixed
+// workload, three alternating pairs, 1139.8 / 1165.9 / 1144.6 -> 1104.6 / 1142.0 / 1123.7 tok/s, so 16 stays.
 // The range's tiles and the groups' sums live in per-thread buffers kept between calls: allocated per call (mapped
 // fresh, 0.6 MB a thread), their page faults took half the gain (a prefill 423 -> 405 ms instead).
 template <typename Weights, typename RowBlockOf>
@@ -283,21 +290,23 @@ void rows_against_panel_ranges(const Weights& weights, const RowBlockOf& row_blo
   const int64_t chunks = weights.chunks, panel_elems = chunks * kTileElems;
   const int64_t range_panels = std::max<int64_t>(2, kRangeTiles / chunks / 2 * 2), range_pairs = range_panels / 2;
   static thread_local loom::amx::TileBuffer<bf16> range_tiles;  // dequantized weights (none for dense tiles)
-  static thread_local loom::amx::TileBuffer<float> pair_sums;   // [row block pair % 2][panel pair][4 tiles]
+  static thread_local loom::amx::TileBuffer<float> pair_sums;   // [visit % 2][panel pair][4 tiles]
   if (Weights::kBufferElems > 0 && range_tiles.size() < static_cast<size_t>(range_panels * panel_elems))
     range_tiles.resize(range_panels * panel_elems);
   if (pair_sums.size() < static_cast<size_t>(2 * range_pairs * 4 * kTileSums))
     pair_sums.resize(2 * range_pairs * 4 * kTileSums);
   std::optional<TileGroup> waiting;
   const float* waiting_sums = nullptr;
+  int64_t visits = 0;  // row block pairs visited, over all ranges
   for (int64_t p0 = 0; p0 < num_panels; p0 += range_panels) {
     const int64_t p1 = std::min(num_panels, p0 + range_panels);
     const bf16* tiles = weights.whole_panels(p0, p1, range_tiles.data());
-    for (int64_t b = first_block; b < end_block; b += 2) {
+    for (int64_t b = first_block; b < end_block; b += 2, ++visits) {
       const int rb = b + 1 < end_block ? 2 : 1;
       const RowBlock a[2] = {row_block(b), row_block(rb == 2 ? b + 1 : b)};
-      // Sums by the pair's parity: the group waiting to be rounded is never the one being computed.
-      float* block_sums = pair_sums.data() + (b - first_block) / 2 % 2 * range_pairs * 4 * kTileSums;
+      // Sums by the visit's parity, so that the group waiting to be rounded (the last of the visit before, which
+      // may be another range's) is never overwritten by this visit's slices.
+      float* block_sums = pair_sums.data() + visits % 2 * range_pairs * 4 * kTileSums;
       for (int64_t c0 = 0; c0 < chunks; c0 += kSliceMaxChunks) {
         const int64_t c1 = std::min(chunks, c0 + kSliceMaxChunks);
         for (int64_t p = p0; p < p1; p += 2) {
