@@ -120,6 +120,18 @@ void tile_group(const RowBlock* a, const bf16* panel, int64_t panel_elems, int64
   if constexpr (RB == 2 && PB == 2) _tile_stored(3, sums + 3 * kSums, 64);
 }
 
+// tile_group for a group of rb row blocks and pb panels, as amx_linear_impl forms them (1 x 3, 2 x 2, and the
+// smaller ones at the edges).
+template <bool kStreamPanels = false>
+void tile_group_of(int rb, int pb, const RowBlock* a, const bf16* panel, int64_t panel_elems, int64_t c0, int64_t c1,
+                   bool resume, float* sums) {
+  if (pb == 3) tile_group<1, 3, kStreamPanels>(a, panel, panel_elems, c0, c1, resume, sums);
+  else if (rb == 2 && pb == 2) tile_group<2, 2, kStreamPanels>(a, panel, panel_elems, c0, c1, resume, sums);
+  else if (rb == 2) tile_group<2, 1, kStreamPanels>(a, panel, panel_elems, c0, c1, resume, sums);
+  else if (pb == 2) tile_group<1, 2, kStreamPanels>(a, panel, panel_elems, c0, c1, resume, sums);
+  else tile_group<1, 1, kStreamPanels>(a, panel, panel_elems, c0, c1, resume, sums);
+}
+
 // y[rows, cols] (row stride out_features) = one tile's float32 sums + bias, rounded to bfloat16 (nearest even): for
 // a panel at the right edge, or one without a neighbour.
 void store_tile(const float* sums, const float* bias, int64_t rows, int64_t cols, bf16* y, int64_t out_features) {
@@ -223,10 +235,6 @@ struct DenseTiles {
     panel_elems = chunks * kTileElems;
     return panels + p * panel_elems + c0 * kTileElems;
   }
-  // Panels [p0, p1), all of k, each panel's tiles in order of k and the panels chunks tiles apart.
-  const bf16* whole_panels(int64_t p0, int64_t /*p1*/, bf16* /*buffer*/) const {
-    return panels + p0 * chunks * kTileElems;
-  }
 };
 
 template <typename Format>
@@ -247,16 +255,6 @@ struct RecordTiles {
           _mm_prefetch(reinterpret_cast<const char*>(record) + kPrefetchBytes + line, _MM_HINT_T1);
         Format::tile(record, buffer + j * panel_elems + (c - c0) * kTileElems);
       }
-    }
-    return buffer;
-  }
-  // Panels [p0, p1) dequantized into buffer as DenseTiles lays them out, each record's lines asked for ahead.
-  const bf16* whole_panels(int64_t p0, int64_t p1, bf16* buffer) const {
-    const uint8_t* record = records + p0 * chunks * Format::kRecordBytes;
-    for (int64_t t = 0; t < (p1 - p0) * chunks; ++t, record += Format::kRecordBytes) {
-      for (int64_t line = 0; line < Format::kRecordBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(record) + kPrefetchBytes + line, _MM_HINT_T1);
-      Format::tile(record, buffer + t * kTileElems);
     }
     return buffer;
   }
@@ -287,7 +285,8 @@ void rows_against_panel_ranges(const Weights& weights, const RowBlockOf& row_blo
                                int64_t end_block, int64_t num_panels, const float* bias, int64_t rows, bf16* y,
                                int64_t out_features, const uint16_t* silu_table) {
   constexpr int64_t kTileSums = kRows * kPanel;
-  const int64_t chunks = weights.chunks, panel_elems = chunks * kTileElems;
+  const int64_t chunks = weights.chunks;
+  int64_t panel_elems = chunks * kTileElems;  // as slice() sets it for all of k
   const int64_t range_panels = std::max<int64_t>(2, kRangeTiles / chunks / 2 * 2), range_pairs = range_panels / 2;
   static thread_local loom::amx::TileBuffer<bf16> range_tiles;  // dequantized weights (none for dense tiles)
   static thread_local loom::amx::TileBuffer<float> pair_sums;   // [visit % 2][panel pair][4 tiles]
@@ -300,7 +299,7 @@ void rows_against_panel_ranges(const Weights& weights, const RowBlockOf& row_blo
   int64_t visits = 0;  // row block pairs visited, over all ranges
   for (int64_t p0 = 0; p0 < num_panels; p0 += range_panels) {
     const int64_t p1 = std::min(num_panels, p0 + range_panels);
-    const bf16* tiles = weights.whole_panels(p0, p1, range_tiles.data());
+    const bf16* tiles = weights.slice(p0, static_cast<int>(p1 - p0), 0, chunks, range_tiles.data(), panel_elems);
     for (int64_t b = first_block; b < end_block; b += 2, ++visits) {
       const int rb = b + 1 < end_block ? 2 : 1;
       const RowBlock a[2] = {row_block(b), row_block(rb == 2 ? b + 1 : b)};
@@ -314,10 +313,7 @@ void rows_against_panel_ranges(const Weights& weights, const RowBlockOf& row_blo
           const bf16* panel = tiles + (p - p0) * panel_elems + c0 * kTileElems;
           float* group_sums = block_sums + (p - p0) / 2 * 4 * kTileSums;
           const bool resume = c0 > 0;
-          if (rb == 2 && pb == 2) tile_group<2, 2, true>(a, panel, panel_elems, c0, c1, resume, group_sums);
-          else if (rb == 2) tile_group<2, 1, true>(a, panel, panel_elems, c0, c1, resume, group_sums);
-          else if (pb == 2) tile_group<1, 2, true>(a, panel, panel_elems, c0, c1, resume, group_sums);
-          else tile_group<1, 1, true>(a, panel, panel_elems, c0, c1, resume, group_sums);
+          tile_group_of<true>(rb, pb, a, panel, panel_elems, c0, c1, resume, group_sums);
           if (c1 < chunks) continue;
           if (waiting) store_group(waiting_sums, *waiting, bias, rows, y, out_features, silu_table);
           waiting = TileGroup{p, b, rb, pb};
@@ -421,11 +417,7 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const Wei
               const RowBlock a[2] = {row_block(b), rb == 2 ? row_block(b + 1) : row_block(b)};
               float* group_sums = sums[n & 1] + (b - s0) / group_blocks * group_panels * group_blocks * kTileSums;
               const bool resume = c0 > 0;
-              if (pb == 3) tile_group<1, 3>(a, panel, panel_elems, c0, c1, resume, group_sums);
-              else if (rb == 2 && pb == 2) tile_group<2, 2>(a, panel, panel_elems, c0, c1, resume, group_sums);
-              else if (rb == 2) tile_group<2, 1>(a, panel, panel_elems, c0, c1, resume, group_sums);
-              else if (pb == 2) tile_group<1, 2>(a, panel, panel_elems, c0, c1, resume, group_sums);
-              else tile_group<1, 1>(a, panel, panel_elems, c0, c1, resume, group_sums);
+              tile_group_of(rb, pb, a, panel, panel_elems, c0, c1, resume, group_sums);
               if (c1 < chunks) continue;
               if (pending) store_group(pending_sums, *pending, bias, rows, y, out_features, silu_table);
               pending = TileGroup{p, b, rb, pb};
