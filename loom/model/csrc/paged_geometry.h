@@ -28,8 +28,13 @@ struct PagedGeometry {
   int64_t padded_dim() const { return (head_dim + kLanes - 1) / kLanes * kLanes; }  // whole vectors
 };
 
-// An int8 cache's scales: float32 [blocks, block_size, num_kv_heads] for a cache of codes, contiguous.
+// A cache's scales: for an int8 cache, float32 [blocks, block_size, num_kv_heads], contiguous; for a cache of
+// values, none.
 inline void check_scales(const torch::Tensor& cache, const std::optional<torch::Tensor>& scales, const char* name) {
+  if (cache.scalar_type() != at::kChar) {
+    TORCH_CHECK(!scales, "scales go with int8 caches alone");
+    return;
+  }
   TORCH_CHECK(scales.has_value(), "an int8 cache needs its ", name);
   TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous() && scales->dim() == 3 &&
                   scales->size(0) == cache.size(0) && scales->size(1) == cache.size(1) &&
@@ -57,12 +62,8 @@ inline PagedGeometry check_paged_inputs(const char* kernel, const torch::Tensor&
                   q.scalar_type() == out.scalar_type(),
               "dtype mismatch");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "K and V caches must be alike");
-  if (int8) {
-    check_scales(k_cache, k_scales, "k_scales");
-    check_scales(v_cache, v_scales, "v_scales");
-  } else {
-    TORCH_CHECK(!k_scales && !v_scales, "scales go with int8 caches alone");
-  }
+  check_scales(k_cache, k_scales, "k_scales");
+  check_scales(v_cache, v_scales, "v_scales");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
   const int64_t num_heads = q.size(1), num_kv_heads = k_cache.size(2);

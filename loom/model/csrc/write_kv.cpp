@@ -24,13 +24,6 @@ void check_rows(const torch::Tensor& rows, const torch::Tensor& cache, const cha
               name, " must be a CPU tensor of the cache's dtype (float32 or bfloat16 for an int8 cache)");
 }
 
-void check_scales(const torch::Tensor& cache, const std::optional<torch::Tensor>& scales, const char* name) {
-  if (cache.scalar_type() == at::kChar)
-    loom::check_scales(cache, scales, name);
-  else
-    TORCH_CHECK(!scales, "scales go with int8 caches alone");
-}
-
 // Token t's rows of `rows` quantized into an int8 cache at row slot[t], their scales alongside.
 template <typename T>
 void quantize_rows(const torch::Tensor& rows, const int64_t* slot, torch::Tensor& cache, torch::Tensor& scales) {
@@ -57,8 +50,8 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_c
               "caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim] and alike");
   check_rows(k, k_cache, "k");
   check_rows(v, v_cache, "v");
-  check_scales(k_cache, k_scales, "k_scales");
-  check_scales(v_cache, v_scales, "v_scales");
+  loom::check_scales(k_cache, k_scales, "k_scales");
+  loom::check_scales(v_cache, v_scales, "v_scales");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.numel() == k.size(0) &&
                   v.size(0) == k.size(0) && k.scalar_type() == v.scalar_type(),
               "one int64 slot per token, and k and v alike");
