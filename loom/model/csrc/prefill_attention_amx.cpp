@@ -34,6 +34,14 @@
 // medians of 11, ms a layer: 2048 tokens 5.43-5.76 -> 5.09-5.48 (head size 128: 4.07 -> 3.67), 512 0.36-0.40 ->
 // 0.35-0.40, 256 after 768 the same (0.52-0.66 -> 0.53-0.63); a 2048-token prefill 507-517 -> 487-521 ms, within
 // its noise.
+// A step's two 16-key blocks take their scores in two tiles (4 and 7), products interleaved, and the next step's
+// products are issued before this step's softmax (thirty-second session): one layer at 2048 tokens, alternating
+// builds, medians of 11, 3.62-3.75 -> 3.38-3.54 ms (512 tokens 0.28-0.29 -> 0.27), the same bits. That is about all
+// the overlap there is: with the softmax's vector loop removed a layer took 1.83 ms, with the products removed 1.44,
+// and together 3.4, their sum. A /tmp loop of this kernel's 8 products and tile loads a step beside independent
+// AVX-512 FMAs ran 52 ns alone, 29 ns for 192 FMAs alone and 95-97 ns for both (worse still with the FMAs between
+// the products), so on this core the tile products and 512-bit vector work do not run side by side. Also tried: each
+// step's P V issued one step later (after the next softmax, P^T in two buffers), 3.39 -> 3.44 ms, not kept.
 // Every query token's arithmetic is its own (its own lane and its own maximum; keys step in 32s from key 0), so a
 // token gets the same bits whichever chunk or tile it is prefilled in.
 #include <torch/extension.h>
@@ -92,14 +100,14 @@ constexpr float kLazyRescale = 8.f;   // how far a lane's maximum may rise befor
 enum class TileOp { kZero, kLoad, kStore, kAddProduct };
 
 // `op` on output tile u (< kHeldTiles): the _tile_ intrinsics take literal tile numbers. kAddProduct adds tile 5
-// (values) times tile 7 (P^T).
+// (values) times tile 6 (P^T).
 inline void tile_op(int64_t u, TileOp op, float* sums) {
 #define LOOM_TILE_OP(T)                                        \
   switch (op) {                                               \
     case TileOp::kZero: _tile_zero(T); break;                 \
     case TileOp::kLoad: _tile_loadd(T, sums, 64); break;      \
     case TileOp::kStore: _tile_stored(T, sums, 64); break;    \
-    case TileOp::kAddProduct: _tile_dpbf16ps(T, 5, 7); break; \
+    case TileOp::kAddProduct: _tile_dpbf16ps(T, 5, 6); break; \
   }
   switch (u) {
     case 0: LOOM_TILE_OP(0) break;
@@ -132,7 +140,7 @@ struct Scratch {
     keys.resize(steps * 2 * (g.head_dim / 32) * kTileElems);
     values.resize(steps * (g.head_dim / 16) * kTileElems);
     q.resize(16 * g.head_dim), p.resize(16 * kStep);
-    s.resize(kStep * 16), pv.resize(16 * 16), o.resize(16 * g.head_dim);
+    s.resize(2 * kStep * 16), pv.resize(16 * 16), o.resize(16 * g.head_dim);
   }
 };
 
@@ -231,13 +239,12 @@ void attend_tile(const bf16* q, int64_t t0, int64_t rows, int64_t first_pos, int
     transpose16x16(r);
     for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(qt + v * kTileElems + i * 32, r[i]);
   }
-  float* s = scratch.s.data();
   float* pv = scratch.pv.data();
   float* o = scratch.o.data();
   bf16* p = scratch.p.data();
   // The output sums O^T: its first kHeldTiles 16-dim tiles stay in tiles 0-3 (P V added by TDPBF16PS in place), the
-  // rest (head size 128) in `o`, each step's P V added from `pv`. Tile 4: scores, then P V for `o`; 5: key or value
-  // A tiles; 6: Q^T; 7: P^T.
+  // rest (head size 128) in `o`, each step's P V added from `pv`. Tiles 4 and 7: scores (4 then also P V for
+  // `o`); 5: key or value A tiles; 6: Q^T, then P^T.
   const int64_t held = std::min(value_tiles, kHeldTiles);
   std::fill(o, o + 16 * head_dim, 0.f);
   for (int64_t u = 0; u < held; ++u) tile_op(u, TileOp::kZero, nullptr);
@@ -246,17 +253,28 @@ void attend_tile(const bf16* q, int64_t t0, int64_t rows, int64_t first_pos, int
   const int64_t last_pos = first_pos + t0 + rows - 1;
   V16 pos;
   for (int n = 0; n < 16; ++n) pos[n] = static_cast<float>(first_pos + t0 + std::min<int64_t>(n, rows - 1));
-  for (int64_t k0 = 0; k0 <= last_pos; k0 += kStep) {
-    for (int64_t b = 0; b < 2; ++b) {
-      _tile_zero(4);
-      const bf16* key_tiles = scratch.keys.data() + (k0 / kBlock + b) * dim_tiles * kTileElems;
-      for (int64_t v = 0; v < dim_tiles; ++v) {
-        _tile_loadd(5, key_tiles + v * kTileElems, 64);
-        _tile_loadd(6, qt + v * kTileElems, 64);
-        _tile_dpbf16ps(4, 5, 6);
-      }
-      _tile_stored(4, s + b * 16 * 16, 64);
+  // A step's 32 x 16 scores into `scores`: its two 16-key blocks in tiles 4 and 7, their products interleaved so
+  // that the two chains of TDPBF16PS overlap.
+  auto compute_scores = [&](int64_t k0, float* scores) {
+    _tile_zero(4);
+    _tile_zero(7);
+    const bf16* key_tiles = scratch.keys.data() + (k0 / kBlock) * dim_tiles * kTileElems;
+    for (int64_t v = 0; v < dim_tiles; ++v) {
+      _tile_loadd(6, qt + v * kTileElems, 64);
+      _tile_loadd(5, key_tiles + v * kTileElems, 64);
+      _tile_dpbf16ps(4, 5, 6);
+      _tile_loadd(5, key_tiles + (dim_tiles + v) * kTileElems, 64);
+      _tile_dpbf16ps(7, 5, 6);
     }
+    _tile_stored(4, scores, 64);
+    _tile_stored(7, scores + 16 * 16, 64);
+  };
+  compute_scores(0, scratch.s.data());
+  for (int64_t k0 = 0, i = 0; k0 <= last_pos; k0 += kStep, ++i) {
+    // The next step's products are issued before this step's softmax, whose vector work then runs while they are in
+    // flight; the two steps' scores alternate between the halves of scratch.s.
+    float* s = scratch.s.data() + (i % 2) * kStep * 16;
+    if (k0 + kStep <= last_pos) compute_scores(k0 + kStep, scratch.s.data() + ((i + 1) % 2) * kStep * 16);
     // Scores stay raw: each probability is 2^(score * log2_scale - maximum), one FMA, and the maximum is taken of the
     // raw scores as they are read (scaling is monotonic). Keys past a lane's position exist only in the steps that
     // reach the tile's first position. `probabilities` stores P^T against the given maxima, sums them into row_sums
@@ -314,7 +332,7 @@ void attend_tile(const bf16* q, int64_t t0, int64_t rows, int64_t first_pos, int
       }
     }
     l += row_sums;
-    _tile_loadd(7, p, 64);
+    _tile_loadd(6, p, 64);
     const bf16* value_tiles_at = scratch.values.data() + (k0 / kStep) * value_tiles * kTileElems;
     for (int64_t u = 0; u < held; ++u) {
       _tile_loadd(5, value_tiles_at + u * kTileElems, 64);
@@ -323,7 +341,7 @@ void attend_tile(const bf16* q, int64_t t0, int64_t rows, int64_t first_pos, int
     for (int64_t u = held; u < value_tiles; ++u) {
       _tile_zero(4);
       _tile_loadd(5, value_tiles_at + u * kTileElems, 64);
-      _tile_dpbf16ps(4, 5, 7);
+      _tile_dpbf16ps(4, 5, 6);
       _tile_stored(4, pv, 64);
       float* sums = o + u * 256;
       for (int64_t i = 0; i < 16; ++i) store16(sums + i * 16, load16(sums + i * 16) + load16(pv + i * 16));
