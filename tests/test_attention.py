@@ -276,22 +276,24 @@ def test_prefill_kernel_rejects_bad_chunks(kernel):
         kernel.prefill_attention(q, cache, cache, tables, torch.tensor([3]), torch.tensor([2, 2]), 0, q.clone(), 1.0)
 
 
+@pytest.mark.parametrize("tokens", [5, 600])  # 600: the rows split between two threads
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_write_kv_matches_index_copy(kernel, dtype):
+def test_kernel_write_kv_matches_index_copy(kernel, dtype, tokens):
     """Strided k/v views of a fused qkv row land at their slots exactly as torch's index_copy_ puts them."""
-    blocks, block_size, kv_heads, head_dim, tokens = 6, 4, 2, 8, 5
+    blocks, block_size, kv_heads, head_dim = 160, 4, 2, 8
     qkv = torch.randn(tokens, (4 + 2 * kv_heads) * head_dim).to(dtype)
     k = qkv[:, 4 * head_dim : (4 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     v = qkv[:, (4 + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
-    slots = torch.tensor([3, 17, 0, 23, 9])
+    slots = torch.randperm(blocks * block_size, generator=torch.Generator().manual_seed(tokens))[:tokens]
     ours = [torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(2)]
     torchs = [c.clone() for c in ours]
-    kernel.write_kv(k, v, *ours, slots)
+    with torch_threads(2):
+        kernel.write_kv(k, v, *ours, slots)
     write_kv(KVCache(*torchs), k, v, slots)
     assert torch.equal(ours[0], torchs[0]) and torch.equal(ours[1], torchs[1])
     before = [c.clone() for c in ours]
     with pytest.raises(RuntimeError, match="outside the cache"):
-        kernel.write_kv(k, v, *ours, torch.tensor([0, 1, 2, 3, 24]))
+        kernel.write_kv(k, v, *ours, torch.cat([slots[:-1], torch.tensor([blocks * block_size])]))
     assert torch.equal(ours[0], before[0]) and torch.equal(ours[1], before[1])  # nothing written
 
 

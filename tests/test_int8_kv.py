@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import drive, make_engine, random_workload
+from conftest import drive, make_engine, random_workload, torch_threads
 from loom.config import CacheConfig
 from loom.engine.kv_cache import KVCacheSpec
 from loom.model.attention import KVCache, write_kv
@@ -45,16 +45,17 @@ def test_quantized_rows_round_trip_within_half_a_step():
     assert (error <= scales.unsqueeze(-1) * 0.5001).all()
 
 
+@pytest.mark.parametrize("tokens", [9, 600])  # 600: the rows split between two threads
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_quantizes_rows_as_the_reference(kernel, dtype):
+def test_kernel_quantizes_rows_as_the_reference(kernel, dtype, tokens):
     """Strided k/v views of a fused qkv row land at their slots with the reference's codes and scales."""
     gen = torch.Generator().manual_seed(1)
-    blocks, block_size, kv_heads, head_dim, tokens = 6, 4, 3, 64, 9
+    blocks, block_size, kv_heads, head_dim = 160, 4, 3, 64
     qkv = (torch.randn(tokens, (9 + 2 * kv_heads) * head_dim, generator=gen) * 4).to(dtype)
     qkv[2, 9 * head_dim : 10 * head_dim] = 0  # one head's K row of zeros
     k = qkv[:, 9 * head_dim : (9 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     v = qkv[:, (9 + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
-    slots = torch.tensor([3, 17, 0, 23, 9, 4, 5, 11, 12])
+    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
 
     def empty():
         shape = (blocks, block_size, kv_heads, head_dim)
@@ -62,7 +63,8 @@ def test_kernel_quantizes_rows_as_the_reference(kernel, dtype):
                        torch.zeros(shape[:3]), torch.zeros(shape[:3]))
 
     ours, torchs = empty(), empty()
-    kernel.write_kv(k, v, ours.k, ours.v, slots, ours.k_scales, ours.v_scales)
+    with torch_threads(2):
+        kernel.write_kv(k, v, ours.k, ours.v, slots, ours.k_scales, ours.v_scales)
     write_kv(torchs, k, v, slots)
     for a, b in zip(ours, torchs):
         assert torch.equal(a, b)

@@ -3,6 +3,7 @@
 // one call 9 and 22 us. The rows may be strided views into the fused qkv projection, so nothing is made contiguous
 // first. Every slot is checked before anything is written. An int8 cache gets each head's row quantized
 // (int8_kv.h), its scale stored at the same slot of the scales.
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -13,6 +14,12 @@
 #include "paged_geometry.h"
 
 namespace {
+
+// Steps of fewer tokens (decode) copy on the calling thread: a parallel region costs more than their copies. A
+// prefill's rows are split between threads: on one thread its copies (~0.12 ms a layer at 2048 tokens alone, more
+// in the forward) left the other waiting. A 2048-token prefill step, alternating processes, medians of 7: 391.0 /
+// 355.6 / 355.4 -> 344.1 / 341.1 / 352.0 ms.
+constexpr int64_t kGrainTokens = 256;
 
 void check_rows(const torch::Tensor& rows, const torch::Tensor& cache, const char* name) {
   TORCH_CHECK(rows.dim() == 3 && rows.size(1) == cache.size(2) && rows.size(2) == cache.size(3), name,
@@ -26,12 +33,13 @@ void check_rows(const torch::Tensor& rows, const torch::Tensor& cache, const cha
 
 // Token t's rows of `rows` quantized into an int8 cache at row slot[t], their scales alongside.
 template <typename T>
-void quantize_rows(const torch::Tensor& rows, const int64_t* slot, torch::Tensor& cache, torch::Tensor& scales) {
+void quantize_rows(const torch::Tensor& rows, const int64_t* slot, int64_t begin, int64_t end, torch::Tensor& cache,
+                   torch::Tensor& scales) {
   const int64_t heads = rows.size(1), dim = rows.size(2);
   const T* from = rows.data_ptr<T>();
   int8_t* codes = cache.data_ptr<int8_t>();
   float* scale = scales.data_ptr<float>();
-  for (int64_t t = 0; t < rows.size(0); ++t)
+  for (int64_t t = begin; t < end; ++t)
     for (int64_t h = 0; h < heads; ++h)
       scale[slot[t] * heads + h] =
           loom::quantize_head(from + t * rows.stride(0) + h * dim, dim, codes + (slot[t] * heads + h) * dim);
@@ -60,25 +68,27 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_c
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   for (int64_t t = 0; t < k.size(0); ++t)
     TORCH_CHECK(0 <= slot[t] && slot[t] < num_slots, "slot ", slot[t], " is outside the cache");
-  if (k_cache.scalar_type() == at::kChar) {
-    torch::Tensor k_scale = *k_scales, v_scale = *v_scales;
-    if (k.scalar_type() == at::kBFloat16) {
-      quantize_rows<c10::BFloat16>(k, slot, k_cache, k_scale);
-      quantize_rows<c10::BFloat16>(v, slot, v_cache, v_scale);
-    } else {
-      quantize_rows<float>(k, slot, k_cache, k_scale);
-      quantize_rows<float>(v, slot, v_cache, v_scale);
-    }
-    return;
-  }
   const int64_t row_bytes = k_cache.size(2) * k_cache.size(3) * k_cache.element_size();
   const int64_t elem = k.element_size();
   auto* k_to = static_cast<char*>(k_cache.data_ptr());
   auto* v_to = static_cast<char*>(v_cache.data_ptr());
   const auto* k_from = static_cast<const char*>(k.data_ptr());
   const auto* v_from = static_cast<const char*>(v.data_ptr());
-  for (int64_t t = 0; t < k.size(0); ++t) {
-    std::memcpy(k_to + slot[t] * row_bytes, k_from + t * k.stride(0) * elem, row_bytes);
-    std::memcpy(v_to + slot[t] * row_bytes, v_from + t * v.stride(0) * elem, row_bytes);
-  }
+  at::parallel_for(0, k.size(0), kGrainTokens, [&](int64_t begin, int64_t end) {
+    if (k_cache.scalar_type() == at::kChar) {
+      torch::Tensor k_scale = *k_scales, v_scale = *v_scales;
+      if (k.scalar_type() == at::kBFloat16) {
+        quantize_rows<c10::BFloat16>(k, slot, begin, end, k_cache, k_scale);
+        quantize_rows<c10::BFloat16>(v, slot, begin, end, v_cache, v_scale);
+      } else {
+        quantize_rows<float>(k, slot, begin, end, k_cache, k_scale);
+        quantize_rows<float>(v, slot, begin, end, v_cache, v_scale);
+      }
+      return;
+    }
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(k_to + slot[t] * row_bytes, k_from + t * k.stride(0) * elem, row_bytes);
+      std::memcpy(v_to + slot[t] * row_bytes, v_from + t * v.stride(0) * elem, row_bytes);
+    }
+  });
 }
