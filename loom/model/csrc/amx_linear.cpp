@@ -59,7 +59,9 @@ constexpr int64_t kSliceChunks = 6;
 constexpr int64_t kSubBlocks = 4;
 constexpr int64_t kTripleMaxPanels = 256;  // weights up to which panels go three at a time (4096 outputs; below)
 constexpr int64_t kSliceMaxChunks = 18;  // k chunks of an x row block pair that stay in L1 (36 KiB)
-constexpr int64_t kRangeTiles = 576;     // weight tiles that wait in L2 for all of a thread's rows (576 KiB)
+// Weight tiles that wait in L2 for all of a thread's rows (576 KiB). 1152 where a thread's x passes 1 MiB (qkv and o
+// in one range) gained in o and down but lost in gate/up (thirty-third session, docs/benchmarks.md).
+constexpr int64_t kRangeTiles = 576;
 constexpr int64_t kSubPassTiles = 3 * kBlockRows / kRows;  // sums tiles of a sub-pass: a pass's 16 groups of 3
 
 using bf16 = c10::BFloat16;

@@ -42,6 +42,11 @@
 // AVX-512 FMAs ran 52 ns alone, 29 ns for 192 FMAs alone and 95-97 ns for both (worse still with the FMAs between
 // the products), so on this core the tile products and 512-bit vector work do not run side by side. Also tried: each
 // step's P V issued one step later (after the next softmax, P^T in two buffers), 3.39 -> 3.44 ms, not kept.
+// Tried and not kept (thirty-third session, docs/benchmarks.md): a step's value tiles asked for to L1 during its
+// softmax (3.50-3.69 -> 3.67-3.84 ms); the rescale decided by the step's sums instead of its maxima (one max less per
+// 16 scores, within the noise, 0.04% of outputs an ulp apart); and a loop over 128-key chunks with K/V reused from L1
+// by all of an item's tiles, not built: K/V read from an L1-sized window took 2.95-3.14 ms against 3.39-3.63, but
+// with the output tiles' store and reload that each chunk of each tile would add, 3.64.
 // Every query token's arithmetic is its own (its own lane and its own maximum; keys step in 32s from key 0), so a
 // token gets the same bits whichever chunk or tile it is prefilled in.
 #include <torch/extension.h>
