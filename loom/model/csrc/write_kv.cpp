@@ -74,9 +74,10 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_c
   auto* v_to = static_cast<char*>(v_cache.data_ptr());
   const auto* k_from = static_cast<const char*>(k.data_ptr());
   const auto* v_from = static_cast<const char*>(v.data_ptr());
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  torch::Tensor k_scale = int8 ? *k_scales : torch::Tensor(), v_scale = int8 ? *v_scales : torch::Tensor();
   at::parallel_for(0, k.size(0), kGrainTokens, [&](int64_t begin, int64_t end) {
-    if (k_cache.scalar_type() == at::kChar) {
-      torch::Tensor k_scale = *k_scales, v_scale = *v_scales;
+    if (int8) {
       if (k.scalar_type() == at::kBFloat16) {
         quantize_rows<c10::BFloat16>(k, slot, begin, end, k_cache, k_scale);
         quantize_rows<c10::BFloat16>(v, slot, begin, end, v_cache, v_scale);
