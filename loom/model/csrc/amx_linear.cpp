@@ -168,8 +168,8 @@ void store_tile_pair(const float* sums, const float* bias, int64_t rows, bf16* y
 }
 
 // A gated panel's sums (+ bias): columns 0-7 gate, 8-15 up (interleave_gate_up in linear.py) -> SiLU(gate) * up, 8
-// bfloat16 columns of y (row stride width), with the bits of the product rounded to bfloat16 and then silu_mul (as
-// store_tile_pair rounds): two rows at a time. Both rows are rounded by one VCVTNE2PS2BF16; one word permute (zeros
+// bfloat16 columns of y (row stride width), with the bits of gate and up rounded to bfloat16 (as store_tile_pair
+// rounds) and then silu_mul: two rows at a time. Both rows are rounded by one VCVTNE2PS2BF16; one word permute (zeros
 // in the other halves) makes the gates' table indices and another the ups as float32; the gates' SiLU is gathered
 // from the table (silu.h) and the product rounded by VCVTNEPS2BF16, with a float32 denormal product rounded by the
 // integer steps instead (VCVTNEPS2BF16 would take it as zero; torch keeps it). Against two VCVTNEPS2BF16, lane
