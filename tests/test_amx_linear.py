@@ -196,18 +196,21 @@ def test_silu_mul_in_the_amx_epilogue_gives_the_bits_of_the_product_then_silu_mu
 
 def test_the_amx_epilogue_keeps_denormal_products(amx):
     """Gates and ups so small that SiLU(gate) * up is a float32 denormal: rounded to bfloat16 as torch rounds it
-    (kept, not taken as zero as VCVTNEPS2BF16 would)."""
+    (kept, not taken as zero as VCVTNEPS2BF16 would), by the AMX epilogue and by the fused layer op."""
     gen = torch.Generator().manual_seed(0)
     inter, hidden, rows = 96, 576, 40
     gate = (torch.randn(inter, hidden, generator=gen) * 1e-21).bfloat16()
     up = (torch.randn(inter, hidden, generator=gen) * 1e-20).bfloat16()
-    gated = amx.silu_mul_linear(gate, up, None, None, make_layer_ops("auto").silu_mul)
+    fused_ops = make_layer_ops("auto")
+    gated = amx.silu_mul_linear(gate, up, None, None, fused_ops.silu_mul)
     assert isinstance(gated, AmxSiluMulLinear)
     x = torch.randn(rows, hidden, generator=gen).bfloat16()
-    expected = TorchLayerOps().silu_mul(amx.linear(torch.cat([gate, up]), None)(x))
+    product = amx.linear(torch.cat([gate, up]), None)(x)
+    expected = TorchLayerOps().silu_mul(product)
     tiny = expected.float().abs()
     assert ((tiny > 0) & (tiny < torch.finfo(torch.float32).tiny)).float().mean() > 0.5  # mostly denormal
     assert torch.equal(gated(x), expected)
+    assert torch.equal(fused_ops.silu_mul(product), expected)  # the layer op's rounding (silu.h) too
 
 
 def test_silu_mul_linear_elsewhere_is_the_product_then_the_layer_op():

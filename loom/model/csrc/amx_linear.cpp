@@ -170,9 +170,8 @@ void store_tile_pair(const float* sums, const float* bias, int64_t rows, bf16* y
 // A gated panel's sums (+ bias): columns 0-7 gate, 8-15 up (interleave_gate_up in linear.py) -> SiLU(gate) * up, 8
 // bfloat16 columns of y (row stride width), with the bits of gate and up rounded to bfloat16 (as store_tile_pair
 // rounds) and then silu_mul: two rows at a time. Both rows are rounded by one VCVTNE2PS2BF16; one word permute (zeros
-// in the other halves) makes the gates' table indices and another the ups as float32; the gates' SiLU is gathered
-// from the table (silu.h) and the product rounded by VCVTNEPS2BF16, with a float32 denormal product rounded by the
-// integer steps instead (VCVTNEPS2BF16 would take it as zero; torch keeps it). Against two VCVTNEPS2BF16, lane
+// in the other halves) makes the gates' table indices and another the ups as float32, for silu.h's silu_mul16 (its
+// product rounded by VCVTNEPS2BF16, a float32 denormal one by the integer steps). Against two VCVTNEPS2BF16, lane
 // permutes and widenings and the integer rounding (thirty-third session), 30 layers' gate/up, alternating processes,
 // medians of 25: 1024 rows 54.0-55.7 -> 51.8-53.9 ms (the epilogue's share over the product alone 7.5 -> 6.1 ms,
 // medians of five rounds); 64 rows 6.14-6.67 -> 5.27-6.07 ms.
@@ -191,10 +190,7 @@ void store_gated_tile(const float* sums, const float* bias, int64_t rows, const 
     const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second, first));
     const __m512i gates = _mm512_maskz_permutexvar_epi16(0x55555555u, gate_words, both);
     const __m512 ups = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xaaaaaaaau, up_words, both));
-    const __m512 silu = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(gates, silu_table, 2), 16));
-    const __m512 product = _mm512_mul_ps(silu, ups);
-    const __m256i out = _mm512_fpclass_ps_mask(product, 0x20) ? loom::round_to_bf16(product)  // 0x20: denormal
-                                                              : reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(product));
+    const __m256i out = loom::silu_mul16(silu_table, gates, ups);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(y + r * width), _mm256_castsi256_si128(out));
     if (r + 1 < rows)
       _mm_storeu_si128(reinterpret_cast<__m128i*>(y + (r + 1) * width), _mm256_extracti128_si256(out, 1));

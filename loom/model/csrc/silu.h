@@ -108,13 +108,24 @@ inline uint16_t silu_mul_bits(const uint16_t* table, uint16_t gate, uint16_t up)
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// Sixteen lanes of silu_mul_bits: the gate's SiLU gathered from the table (4 bytes at byte 2 * gate, the low half
-// kept), both halves widened to float32, multiplied, rounded to nearest even.
+// Sixteen lanes of silu_mul_bits from the gates' bits zero-extended to 32 (the table indices) and the ups' widened to
+// float32: the gate's SiLU gathered from the table (4 bytes at byte 2 * gate, the low half kept), widened,
+// multiplied, rounded to nearest even. The rounding is VCVTNEPS2BF16 where the CPU has it, except for a float32
+// denormal product, which it would take as zero where torch keeps it: those go by round_to_bf16's integer steps.
+inline __m256i silu_mul16(const uint16_t* table, __m512i gate_index, __m512 up) {
+  const __m512 silu = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(gate_index, table, 2), 16));
+  const __m512 product = _mm512_mul_ps(silu, up);
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+  if (!_mm512_fpclass_ps_mask(product, 0x20))  // 0x20: denormal
+    return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(product));
+#endif
+  return round_to_bf16(product);
+}
+
+// silu_mul16 of sixteen gates' and ups' bfloat16 bits.
 inline __m256i silu_mul_bits16(const uint16_t* table, __m256i gate, __m256i up) {
-  const __m512i index = _mm512_cvtepu16_epi32(gate);
-  const __m512i silu = _mm512_slli_epi32(_mm512_i32gather_epi32(index, table, 2), 16);
-  const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(up), 16);
-  return round_to_bf16(_mm512_mul_ps(_mm512_castsi512_ps(silu), _mm512_castsi512_ps(u)));
+  return silu_mul16(table, _mm512_cvtepu16_epi32(gate),
+                    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(up), 16)));
 }
 #endif
 
