@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 
 import pytest
 import torch
@@ -148,13 +149,18 @@ def test_shared_prefix_workload_shares_its_system_prompt(smollm2):
 
 
 def test_perf_figures_on_a_tiny_model(tiny_llama):
+    from loom.bench.matmul_timing import shape_gflops
     from loom.bench.perf import decode_step, matmul_peak, prefill, prefill_interference
 
     engine = LLMEngine(EngineConfig(scheduler=SchedulerConfig(8, 256), cache=CacheConfig(num_kv_blocks=256,
                                                                                          enable_prefix_caching=False)),
                        tiny_llama)
-    peak = matmul_peak(engine.runner.model, rows_options=(8, 64))
+    model = engine.runner.model
+    peak = matmul_peak(model, rows_options=(8, 64))
     assert peak["peak_gflops"] > 0 and set(peak["gflops_by_rows_all_shapes"]) == {8, 64}
+    rows, out_features, in_features = peak["peak_rows_shape"]
+    assert rows in (8, 64) and (out_features, in_features) in {(lin.out_features, lin.in_features)
+                                                               for lin in [*model.layer_linears(), model.lm_head]}
     decode = decode_step(engine, batch=4, context=20, bandwidth=1e10)
     assert decode["batch"] == 4 and decode["step_ms"] > 0 and decode["matmuls_alone_ms"] > 0
     # Forward and logits are timed inside the very steps timed whole, so what is left outside is never negative.
@@ -167,7 +173,16 @@ def test_perf_figures_on_a_tiny_model(tiny_llama):
         4 * 30 * kv_per_token) / weights
     assert 0 <= decode["metadata_ms"] < decode["step_ms"]
     pre = prefill(engine, 100, peak["peak_gflops"], repeats=1)
-    assert pre["prompt_tokens"] == 100 and pre["fraction_of_peak"] > 0
+    assert pre["prompt_tokens"] == 100 and pre["fraction_of_peak"] > 0 and "fraction_of_round_peak" not in pre
+    # Held to the peak's own matmul timed again after each prompt: each round's fraction is its own prompt's FLOP/s
+    # over its own peak, and the figure is their median.
+    pre = prefill(engine, 100, peak["peak_gflops"], repeats=3, round_peak=lambda: shape_gflops(model, *peak[
+        "peak_rows_shape"]))
+    flops = 2.0 * (100 * engine.model_config.layer_matmul_params + engine.model_config.lm_head_params)
+    by_round = [flops / ms * 1e3 / 1e9 / p for ms, p in zip(pre["ms_by_round"], pre["round_peak_gflops_by_round"])]
+    assert len(pre["fraction_of_round_peak_by_round"]) == 3 and all(p > 0 for p in pre["round_peak_gflops_by_round"])
+    assert pre["fraction_of_round_peak_by_round"] == pytest.approx(by_round, rel=0.02, abs=2e-3)
+    assert pre["fraction_of_round_peak"] == pytest.approx(statistics.median(by_round), rel=0.02, abs=2e-3)
     unpaced = prefill_interference(engine, budget=16, long_prefill_chunk_tokens=0, decoding=3, context=8,
                                    long_prompt=60)
     assert unpaced["prefill_steps"] == 5 and unpaced["itl_p99_ratio"] > 0  # 13 prompt tokens beside 3 decodes

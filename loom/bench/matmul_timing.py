@@ -59,21 +59,37 @@ def matmuls_alone(model, rows: int, lm_head_rows: int) -> Callable[[], None]:
     return run
 
 
+def _weight_shapes(model) -> dict[tuple[int, int], object]:
+    """One Linear of each distinct (out_features, in_features) among the model's layer matmuls and its LM head."""
+    shapes = {(lin.out_features, lin.in_features): lin for lin in model.layer_linears()}
+    shapes[(model.lm_head.out_features, model.lm_head.in_features)] = model.lm_head
+    return shapes
+
+
 @torch.inference_mode()
 def matmul_peak(model, rows_options: tuple[int, ...] = (64, 256, 512, 2048)) -> dict:
     """Best matmul FLOP/s (as the model's matmul backend runs them) over the model's distinct weight shapes and
-    several row counts."""
-    shapes = {(lin.out_features, lin.in_features): lin for lin in model.layer_linears()}
-    shapes[(model.lm_head.out_features, model.lm_head.in_features)] = model.lm_head
-    best, per_rows = 0.0, {}
+    several row counts, and the shape and rows that gave it (`peak_rows_shape`, for `shape_gflops`)."""
+    best, best_at, per_rows = 0.0, None, {}
     for rows in rows_options:
         flops_total, seconds_total = 0.0, 0.0
-        for shape, lin in shapes.items():
+        for shape, lin in _weight_shapes(model).items():
             x = torch.randn(rows, shape[1], dtype=model.dtype)
             sec = median_seconds(lambda lin=lin, x=x: lin(x), repeats=3)
             flops = 2.0 * rows * shape[0] * shape[1]
-            best = max(best, flops / sec)
+            if flops / sec > best:
+                best, best_at = flops / sec, [rows, *shape]
             flops_total += flops
             seconds_total += sec
         per_rows[rows] = round(flops_total / seconds_total / 1e9, 1)
-    return {"peak_gflops": round(best / 1e9, 1), "gflops_by_rows_all_shapes": per_rows}
+    return {"peak_gflops": round(best / 1e9, 1), "peak_rows_shape": best_at, "gflops_by_rows_all_shapes": per_rows}
+
+
+@torch.inference_mode()
+def shape_gflops(model, rows: int, out_features: int, in_features: int, repeats: int = 21) -> float:
+    """FLOP/s of the model's own matmul of one shape at `rows` rows, now: the peak's shape timed again beside a
+    figure, so that the figure and its yardstick share the machine's phase (this VM's speed drifts by tens of
+    percent within minutes)."""
+    lin = _weight_shapes(model)[(out_features, in_features)]
+    x = torch.randn(rows, in_features, dtype=model.dtype)
+    return 2.0 * rows * out_features * in_features / median_seconds(lambda: lin(x), repeats=repeats) / 1e9

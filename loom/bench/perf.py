@@ -5,7 +5,8 @@
   held to.
 - decode: one decode step at B running requests of C tokens of context, against the same step's matmuls alone,
   and how much of the step is spent outside the model forward (scheduling, metadata, sampling, bookkeeping).
-- prefill: one long prompt alone, as achieved model FLOP/s and as a fraction of the measured peak.
+- prefill: one long prompt alone, as achieved model FLOP/s and as a fraction of the measured peak (and of that
+  peak's own matmul timed again right after each prompt).
 - serve_memory: peak RSS of a `loom serve` process on the model after a short burst of requests.
 - prefill_interference: p99 inter-token latency of 32 decoding requests while a 4000-token prompt is prefilled,
   per token budget (the chunked-prefill trade-off).
@@ -30,7 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
-from loom.bench.matmul_timing import dense_twin, matmul_backend_name, matmul_peak, matmuls_alone, median_seconds
+from loom.bench.matmul_timing import (dense_twin, matmul_backend_name, matmul_peak, matmuls_alone, median_seconds,
+                                      shape_gflops)
 from loom.bench.memory_roofline import read_bandwidth, weight_bytes
 from loom.bench.offline import emit, run_once
 from loom.bench.serve_client import free_loopback_port, wait_until_healthy
@@ -133,30 +135,46 @@ def decode_step(engine: LLMEngine, batch: int, context: int, bandwidth: float, s
 
 
 @torch.inference_mode()
-def prefill(engine: LLMEngine, prompt_tokens: int, peak_gflops: float, repeats: int = 3, seed: int = 1) -> dict:
-    """One prompt alone, prefilled in one step (distinct prompts, so the prefix cache cannot help)."""
+def prefill(engine: LLMEngine, prompt_tokens: int, peak_gflops: float, repeats: int = 5, seed: int = 1,
+            round_peak: Callable[[], float] | None = None) -> dict:
+    """One prompt alone, prefilled in one step (distinct prompts, so the prefix cache cannot help).
+
+    Held to the run's peak, and, where `round_peak` is given (the peak's own matmul timed again, GFLOP/s), to that
+    peak as measured right after each prompt: the fraction is taken within a round, as the decode figure's ratios
+    are, so that the machine's slow and fast phases do not fall on one side only."""
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     cfg = engine.model_config
     prompts = [_random_prompt(rng, prompt_tokens, vocab) for _ in range(repeats + 1)]
 
-    def one_prompt() -> None:
+    def one_prompt() -> float:
+        started = time.perf_counter()
         engine.add_request(prompts.pop(), SamplingParams(max_tokens=1, temperature=0.0))
         engine.run_to_completion()
+        return time.perf_counter() - started
 
-    seconds = median_seconds(one_prompt, repeats=repeats, warmup=1)
+    one_prompt()  # warm-up
+    rounds = [(one_prompt(), None if round_peak is None else round_peak()) for _ in range(repeats)]
+    seconds = statistics.median(s for s, _ in rounds)
     flops = 2.0 * (prompt_tokens * cfg.layer_matmul_params + cfg.lm_head_params)
     # Causal attention: QK^T and PV over n(n+1)/2 query-key pairs per head and layer (not in the matmul count).
     attention = 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * prompt_tokens * (prompt_tokens + 1) / 2
-    return {
+    figures = {
         "prompt_tokens": prompt_tokens,
         "seconds": round(seconds, 3),
+        "ms_by_round": [round(s * 1e3, 2) for s, _ in rounds],
         "prompt_tokens_per_s": round(prompt_tokens / seconds, 1),
         "model_gflops": round(flops / seconds / 1e9, 1),
         "fraction_of_peak": round(flops / seconds / 1e9 / peak_gflops, 3),
         "attention_gflop": round(attention / 1e9, 1),
         "with_attention_fraction_of_peak": round((flops + attention) / seconds / 1e9 / peak_gflops, 3),
     }
+    if round_peak is not None:
+        by_round = [flops / s / 1e9 / p for s, p in rounds]
+        figures |= {"round_peak_gflops_by_round": [round(p, 1) for _, p in rounds],
+                    "fraction_of_round_peak": round(statistics.median(by_round), 3),
+                    "fraction_of_round_peak_by_round": [round(f, 3) for f in by_round]}
+    return figures
 
 
 @torch.inference_mode()
@@ -254,13 +272,15 @@ def main(args: argparse.Namespace) -> int:
         base = {"dtype": dtype, "quantization": quantization, "threads": torch.get_num_threads(),
                 "attention_backend": type(engine.runner.attention).__name__, "matmul_backend": backend,
                 "layer_ops": layer_ops_name(engine.runner.model), "kv_cache_dtype": args.kv_cache_dtype}
-        peaks = {backend: matmul_peak(engine.runner.model)}
+        models = {backend: engine.runner.model}
         twin = dense_twin(loaded, engine)
         if twin is not None:
-            peaks[matmul_backend_name(twin)] = matmul_peak(twin)
+            models[matmul_backend_name(twin)] = twin
         if backend != "torch":
-            peaks["torch"] = matmul_peak(loaded.build(engine.config.dtype, make_matmul("torch")))
-        peak = {"peak_gflops": max(p["peak_gflops"] for p in peaks.values()), "by_backend": peaks}
+            models["torch"] = loaded.build(engine.config.dtype, make_matmul("torch"))
+        peaks = {name: matmul_peak(model) for name, model in models.items()}
+        best = max(peaks, key=lambda name: peaks[name]["peak_gflops"])
+        peak = {"peak_gflops": peaks[best]["peak_gflops"], "peak_backend": best, "by_backend": peaks}
         if "peak" in figures:
             emit({"figure": "matmul_peak", **base, **peak})
         if "decode" in figures:
@@ -268,7 +288,9 @@ def main(args: argparse.Namespace) -> int:
             for batch in (int(b) for b in args.decode_batches.split(",")):
                 emit({"figure": "decode", **base, **decode_step(engine, batch, args.context, bandwidth)})
         if "prefill" in figures:
-            emit({"figure": "prefill", **base, **prefill(engine, args.prefill_tokens, peak["peak_gflops"])})
+            emit({"figure": "prefill", **base, **prefill(
+                engine, args.prefill_tokens, peak["peak_gflops"],
+                round_peak=lambda: shape_gflops(models[best], *peaks[best]["peak_rows_shape"]))})
         if "interference" in figures:
             for budget in (int(b) for b in args.interference_budgets.split(",")):
                 for pacing in (int(c) for c in args.interference_pacing.split(",")):
