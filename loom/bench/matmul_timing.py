@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from loom.model.linear import AmxLinear, AmxQuantizedLinear, PackedLinear, QuantizedLinear, make_matmul
+from loom.model.linear import AmxLinear, AmxQuantizedLinear, Linear, PackedLinear, QuantizedLinear, make_matmul
 
 BLOCK_BACKENDS = {QuantizedLinear: "quantized", AmxQuantizedLinear: "amx_quantized"}  # GGUF blocks
 
@@ -59,7 +59,7 @@ def matmuls_alone(model, rows: int, lm_head_rows: int) -> Callable[[], None]:
     return run
 
 
-def _weight_shapes(model) -> dict[tuple[int, int], object]:
+def _weight_shapes(model) -> dict[tuple[int, int], Linear]:
     """One Linear of each distinct (out_features, in_features) among the model's layer matmuls and its LM head."""
     shapes = {(lin.out_features, lin.in_features): lin for lin in model.layer_linears()}
     shapes[(model.lm_head.out_features, model.lm_head.in_features)] = model.lm_head
