@@ -123,6 +123,46 @@ def test_a_lone_sequence_gets_its_batch_bits_on_any_threads(kernel, length):
             assert torch.equal(alone, batch), f"{num_threads} threads"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sequences_sharing_prefix_blocks_get_their_bits_alone(kernel, dtype):
+    """Sequences whose tables begin with the same blocks (a prefix cache's shared prompts) are attended one after
+    another by one thread, so the blocks they share come from its cache: every sequence still gets the obvious
+    attention and the bits it gets alone, on any number of threads. Groups of 1-12 sequences share 1-40 blocks;
+    some contexts are chunked (over 512 tokens), some end inside the shared blocks."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    group_sizes, shared_blocks = [12, 1, 5, 3, 8, 2, 1, 4], [40, 3, 1, 18, 7, 25, 2, 9]
+    seqs, max_blocks = sum(group_sizes), 60
+    num_blocks = seqs * max_blocks + 1
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables, lens = [], []
+    for size, shared in zip(group_sizes, shared_blocks):
+        prefix = [free.pop() for _ in range(shared)]
+        for _ in range(size):
+            tables.append(prefix + [free.pop() for _ in range(max_blocks - shared)])
+            lens.append(int(torch.randint(1, (shared + 12) * block_size, (1,), generator=gen)))
+    order = torch.randperm(seqs, generator=gen)  # the members of a group apart in the batch
+    tables, lens = torch.tensor(tables)[order].contiguous(), torch.tensor(lens)[order]
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(seqs, heads, head_dim, generator=gen).to(dtype)
+    batch = torch.full_like(q, float("nan"))
+    kernel.decode_attention(q, k_cache, v_cache, tables, lens, batch, head_dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(batch.float(), obvious_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5),
+                               atol=tol, rtol=tol)
+    for num_threads in (1, 2, 3):
+        with torch_threads(num_threads):
+            again = torch.full_like(q, float("nan"))
+            kernel.decode_attention(q, k_cache, v_cache, tables, lens, again, head_dim**-0.5)
+            assert torch.equal(again, batch), f"{num_threads} threads"
+            for i in range(0, seqs, 5):
+                alone = torch.full_like(q[i:i + 1], float("nan"))
+                kernel.decode_attention(q[i:i + 1].contiguous(), k_cache, v_cache, tables[i:i + 1], lens[i:i + 1],
+                                        alone, head_dim**-0.5)
+                assert torch.equal(alone, batch[i:i + 1]), f"sequence {i}, {num_threads} threads"
+
+
 def test_kernel_rejects_bad_lengths(kernel):
     q = torch.zeros(2, 2, 8)
     cache = torch.zeros(4, 2, 1, 8)

@@ -991,6 +991,54 @@ void attend_in_halves(const Bf16Phases& phases, const c10::BFloat16* q, const c1
 }
 #endif
 
+// Items [first, end) of decode_attention_impl's list, attended one after another by one thread.
+struct ItemRun {
+  int64_t first, end;
+};
+
+// Items that begin at the same cache block (sequences whose prompts share a cached prefix: the prefix cache hands
+// them the same blocks) are put side by side, in order of their block tables, and attended in runs by one thread, so
+// that the blocks they share are read from memory by the first and from that core's L2 by the others (where the
+// items are spread over the step instead, the shared blocks of a 64-sequence step, ~10 MB a layer, have left the
+// cache before the next sharer reads them). A run holds at most a quarter of a thread's share of the step's tokens,
+// so a step whose sequences all share one system prompt still uses every thread. Runs go longest first. Each item's
+// sums are its own, so the order changes no bit. The mixed workload (bfloat16, 200 requests, a quarter of a decode
+// step's block reads shared), three alternating rounds in one process: 1107.7 / 1075.6 / 1055.3 -> 1221.5 / 1142.3
+// / 1117.8 tok/s. Steps without shared blocks, and the shared-prefix workload (one 300-token system prompt, which
+// stays in L2 in any order), did not move.
+inline std::vector<ItemRun> runs_sharing_blocks(std::vector<DecodeItem>& items, const int64_t* block_tables,
+                                                const PagedGeometry& g) {
+  const auto table_from = [&](const DecodeItem& it) {
+    return block_tables + it.seq * g.max_blocks + it.begin / g.block_size;
+  };
+  const auto blocks_of = [&](const DecodeItem& it) { return (it.end - it.begin + g.block_size - 1) / g.block_size; };
+  std::stable_sort(items.begin(), items.end(), [&](const DecodeItem& a, const DecodeItem& b) {
+    return std::lexicographical_compare(table_from(a), table_from(a) + blocks_of(a), table_from(b),
+                                        table_from(b) + blocks_of(b));
+  });
+  int64_t total = 0;
+  for (const DecodeItem& it : items) total += it.end - it.begin;
+  const int64_t cap = std::max<int64_t>(1, total / (4 * at::get_num_threads()));
+  std::vector<ItemRun> runs;
+  std::vector<int64_t> run_tokens;
+  for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
+    const int64_t tokens = items[i].end - items[i].begin;
+    if (!runs.empty() && *table_from(items[i]) == *table_from(items[i - 1]) && run_tokens.back() + tokens <= cap) {
+      runs.back().end = i + 1;
+      run_tokens.back() += tokens;
+    } else {
+      runs.push_back({i, i + 1});
+      run_tokens.push_back(tokens);
+    }
+  }
+  std::vector<int64_t> order(runs.size());
+  for (size_t r = 0; r < order.size(); ++r) order[r] = static_cast<int64_t>(r);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return run_tokens[a] > run_tokens[b]; });
+  std::vector<ItemRun> sorted;
+  for (const int64_t r : order) sorted.push_back(runs[r]);
+  return sorted;
+}
+
 // q and out of T, caches of C (T, or int8 codes).
 template <typename T, typename C>
 void decode_attention_impl(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
@@ -999,7 +1047,8 @@ void decode_attention_impl(const T* q, const C* k_cache, const C* v_cache, const
   // A work item is a whole sequence, so that each token's row (all KV heads) is read in one piece. A context
   // longer than kChunkTokens is cut into chunks of that many tokens, each its own item, merged at the end: so one
   // long sequence is read by all threads. The chunks depend on the context length alone, never on the batch, so a
-  // sequence gets the same bits in any batch. Longest first for an even split; handed out one at a time.
+  // sequence gets the same bits in any batch. Handed out one run at a time (runs_sharing_blocks), longest first for
+  // an even split.
   // Until the twentieth session a step of fewer than 4 sequences a thread split each into its KV heads, and
   // contexts went in chunks of 512. Each head's item read a third of every row, and one thread reading whole rows
   // was as fast as two reading a head each: likely the hardware prefetchers brought in whole rows, so every row came
@@ -1016,8 +1065,6 @@ void decode_attention_impl(const T* q, const C* k_cache, const C* v_cache, const
       items.push_back({seq, c * kChunkTokens, std::min(len, (c + 1) * kChunkTokens),
                        chunks > 1 ? first_chunk[seq] + c : -1});
   }
-  std::stable_sort(items.begin(), items.end(),
-                   [](const DecodeItem& a, const DecodeItem& b) { return a.end - a.begin > b.end - b.begin; });
   std::vector<float> chunk_acc(num_chunks * g.num_heads * g.head_dim), chunk_max(num_chunks * g.num_heads),
       chunk_sum(num_chunks * g.num_heads);
   // Where a chunk's results go before the merge (a whole context's: none, straight to `out`).
@@ -1091,15 +1138,18 @@ void decode_attention_impl(const T* q, const C* k_cache, const C* v_cache, const
     if (fast) attend = fast;
   }
 #endif
+  const std::vector<ItemRun> runs = runs_sharing_blocks(items, block_tables, g);
   loom::for_each_item(
-      static_cast<int64_t>(items.size()), [&] { return DecodeScratch(g, std::min(max_len, kChunkTokens)); },
-      [&](int64_t i, DecodeScratch& scratch) {
-        const DecodeItem& it = items[i];
-        const std::optional<Partial> partial = partial_of(it);
-        attend(q + it.seq * g.q_row_stride, k_cache, v_cache, block_tables + it.seq * g.max_blocks,
-               it.begin, it.end, out + it.seq * g.num_heads * g.head_dim, partial ? &*partial : nullptr, g, scratch);
-        // acq_rel: the merging thread sees every other chunk's partials.
-        if (partial && chunks_left[it.seq].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(it.seq);
+      static_cast<int64_t>(runs.size()), [&] { return DecodeScratch(g, std::min(max_len, kChunkTokens)); },
+      [&](int64_t r, DecodeScratch& scratch) {
+        for (int64_t i = runs[r].first; i < runs[r].end; ++i) {
+          const DecodeItem& it = items[i];
+          const std::optional<Partial> partial = partial_of(it);
+          attend(q + it.seq * g.q_row_stride, k_cache, v_cache, block_tables + it.seq * g.max_blocks, it.begin,
+                 it.end, out + it.seq * g.num_heads * g.head_dim, partial ? &*partial : nullptr, g, scratch);
+          // acq_rel: the merging thread sees every other chunk's partials.
+          if (partial && chunks_left[it.seq].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(it.seq);
+        }
       });
 }
 
