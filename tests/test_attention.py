@@ -29,6 +29,21 @@ def obvious_decode(q, k_cache, v_cache, tables, lens, scale):
     return out
 
 
+def attend_against_obvious(kernel, gen, dtype, tables, lens, heads=9, kv_heads=3, head_dim=64, block_size=16):
+    """Random caches (as many blocks as `tables` reach) and queries; the kernel's outputs for `tables` and `lens`,
+    checked against the obvious attention at the dtype's tolerance. Returns q, the caches and the outputs."""
+    num_blocks = int(tables.max()) + 1
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    batch = torch.full_like(q, float("nan"))
+    kernel.decode_attention(q, k_cache, v_cache, tables, lens, batch, head_dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(batch.float(), obvious_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5),
+                               atol=tol, rtol=tol)
+    return q, k_cache, v_cache, batch
+
+
 @pytest.mark.parametrize(
     "dtype,heads,kv_heads,head_dim,block_size",
     [
@@ -76,19 +91,11 @@ def test_long_contexts_are_chunked_with_the_same_bits_in_any_batch(kernel, dtype
     or 512 tokens, by the build's vector width); the chunks depend on the length alone, so a sequence gets the same
     bits alone and in a batch of 20, on any number of threads (alone, a chunk's halves may go to two threads)."""
     gen = torch.Generator().manual_seed(1)
-    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    head_dim, block_size = 64, 16
     lens = torch.tensor([513, 600, 256, 1100, 5, 1024, 300, 1, 257, 1537] * 2)  # 1-7 chunks of 256, 1-4 of 512
     seqs, max_blocks = len(lens), 1537 // block_size + 2
-    num_blocks = seqs * max_blocks + 1
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    tables = (torch.randperm(num_blocks - 1, generator=gen)[: seqs * max_blocks] + 1).view(seqs, max_blocks)
-    q = torch.randn(seqs, heads, head_dim, generator=gen).to(dtype)
-    batch = torch.full_like(q, float("nan"))
-    kernel.decode_attention(q, k_cache, v_cache, tables, lens, batch, head_dim**-0.5)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(batch.float(), obvious_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5),
-                               atol=tol, rtol=tol)
+    tables = (torch.randperm(seqs * max_blocks, generator=gen) + 1).view(seqs, max_blocks)
+    q, k_cache, v_cache, batch = attend_against_obvious(kernel, gen, dtype, tables, lens)
     # Alone, a sequence's chunks and their halves go to threads as they share out: the bits stay.
     for num_threads in (1, 2, 3, 4):
         with torch_threads(num_threads):
@@ -130,11 +137,10 @@ def test_sequences_sharing_prefix_blocks_get_their_bits_alone(kernel, dtype):
     attention and the bits it gets alone, on any number of threads. Groups of 1-12 sequences share 1-40 blocks;
     some contexts are chunked (over 512 tokens), some end inside the shared blocks."""
     gen = torch.Generator().manual_seed(3)
-    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    head_dim, block_size = 64, 16
     group_sizes, shared_blocks = [12, 1, 5, 3, 8, 2, 1, 4], [40, 3, 1, 18, 7, 25, 2, 9]
     seqs, max_blocks = sum(group_sizes), 60
-    num_blocks = seqs * max_blocks + 1
-    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    free = (torch.randperm(seqs * max_blocks, generator=gen) + 1).tolist()
     tables, lens = [], []
     for size, shared in zip(group_sizes, shared_blocks):
         prefix = [free.pop() for _ in range(shared)]
@@ -143,14 +149,7 @@ def test_sequences_sharing_prefix_blocks_get_their_bits_alone(kernel, dtype):
             lens.append(int(torch.randint(1, (shared + 12) * block_size, (1,), generator=gen)))
     order = torch.randperm(seqs, generator=gen)  # the members of a group apart in the batch
     tables, lens = torch.tensor(tables)[order].contiguous(), torch.tensor(lens)[order]
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    q = torch.randn(seqs, heads, head_dim, generator=gen).to(dtype)
-    batch = torch.full_like(q, float("nan"))
-    kernel.decode_attention(q, k_cache, v_cache, tables, lens, batch, head_dim**-0.5)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(batch.float(), obvious_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5),
-                               atol=tol, rtol=tol)
+    q, k_cache, v_cache, batch = attend_against_obvious(kernel, gen, dtype, tables, lens)
     for num_threads in (1, 2, 3):
         with torch_threads(num_threads):
             again = torch.full_like(q, float("nan"))
