@@ -991,9 +991,9 @@ void attend_in_halves(const Bf16Phases& phases, const c10::BFloat16* q, const c1
 }
 #endif
 
-// Items [first, end) of decode_attention_impl's list, attended one after another by one thread.
+// Items [first, end) of decode_attention_impl's list, attended one after another by one thread; their tokens.
 struct ItemRun {
-  int64_t first, end;
+  int64_t first, end, tokens;
 };
 
 // Items that begin at the same cache block (sequences whose prompts share a cached prefix: the prefix cache hands
@@ -1021,23 +1021,17 @@ inline std::vector<ItemRun> runs_sharing_blocks(std::vector<DecodeItem>& items, 
   for (const DecodeItem& it : items) total += it.end - it.begin;
   const int64_t cap = std::max<int64_t>(1, total / (4 * at::get_num_threads()));
   std::vector<ItemRun> runs;
-  std::vector<int64_t> run_tokens;
   for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
     const int64_t tokens = items[i].end - items[i].begin;
-    if (!runs.empty() && *table_from(items[i]) == *table_from(items[i - 1]) && run_tokens.back() + tokens <= cap) {
+    if (!runs.empty() && *table_from(items[i]) == *table_from(items[i - 1]) && runs.back().tokens + tokens <= cap) {
       runs.back().end = i + 1;
-      run_tokens.back() += tokens;
+      runs.back().tokens += tokens;
     } else {
-      runs.push_back({i, i + 1});
-      run_tokens.push_back(tokens);
+      runs.push_back({i, i + 1, tokens});
     }
   }
-  std::vector<int64_t> order(runs.size());
-  for (size_t r = 0; r < order.size(); ++r) order[r] = static_cast<int64_t>(r);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return run_tokens[a] > run_tokens[b]; });
-  std::vector<ItemRun> sorted;
-  for (const int64_t r : order) sorted.push_back(runs[r]);
-  return sorted;
+  std::stable_sort(runs.begin(), runs.end(), [](const ItemRun& a, const ItemRun& b) { return a.tokens > b.tokens; });
+  return runs;
 }
 
 // q and out of T, caches of C (T, or int8 codes).
