@@ -373,3 +373,51 @@ def test_attend_step_is_the_store_and_both_kernels(kernel, num_decodes, chunks):
     with pytest.raises(RuntimeError, match="num_decodes"):
         kernel.attend_step(q, k + 1, v + 1, *caches, None, None, slots, tables, lens_t, starts, len(lens) + 1, scale)
     assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])  # refused before any store
+
+
+@pytest.mark.parametrize(
+    "dtype,quantized,heads,kv_heads,head_dim,block_size",
+    [
+        (torch.bfloat16, False, 9, 3, 64, 16),  # SmolLM2's: AMX scores and prefill
+        (torch.float32, False, 9, 3, 64, 16),
+        (torch.bfloat16, False, 6, 2, 30, 5),  # rows widened, the portable prefill
+        (torch.bfloat16, True, 9, 3, 64, 16),  # int8 codes side by side, their scales apart
+    ],
+)
+def test_caches_with_each_blocks_k_and_v_side_by_side_give_the_same_bits(kernel, dtype, quantized, heads, kv_heads,
+                                                                         head_dim, block_size):
+    """The engine's caches (KVCacheSpec.allocate: a block's V right after its K, views of one buffer) store and
+    attend exactly as caches of their own do, in the kernels and in torch's write_kv."""
+    from loom.engine.kv_cache import KVCacheSpec
+
+    gen = torch.Generator().manual_seed(block_size + quantized)
+    spec = KVCacheSpec(1, kv_heads, head_dim, block_size, dtype, quantized=quantized)
+    lens, q_lens = [40, 7, 300, 65], [1, 1, 50, 65]  # two decodes, then two prompt chunks
+    max_blocks = -(-max(lens) // block_size)
+    num_blocks = len(lens) * max_blocks + 1
+    side = spec.allocate(num_blocks)[0]
+    assert side.v.data_ptr() - side.k.data_ptr() == block_size * kv_heads * head_dim * side.k.element_size()
+    assert side.k.stride(0) == 2 * block_size * kv_heads * head_dim and not side.k.is_contiguous()
+    for cache in side[:2]:
+        if quantized:
+            cache.copy_(torch.randint(-127, 128, cache.shape, generator=gen))
+        else:
+            cache.copy_(torch.randn(cache.shape, generator=gen))
+    for scales in side[2:] if quantized else []:
+        scales.copy_(torch.rand(scales.shape, generator=gen) / 50)
+    apart = KVCache(*(c if c is None else c.clone() for c in side))
+    assert apart.k.is_contiguous()
+    tables = (torch.randperm(num_blocks - 1, generator=gen) + 1)[: len(lens) * max_blocks].view(len(lens), -1)
+    starts = torch.tensor([0] + q_lens).cumsum(0)
+    tokens = int(starts[-1])
+    slots = torch.tensor([int(tables[i, p // block_size]) * block_size + p % block_size
+                          for i, (n, ctx) in enumerate(zip(q_lens, lens)) for p in range(ctx - n, ctx)])
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.view(tokens, -1, head_dim).split_with_sizes([heads, kv_heads, kv_heads], dim=1)
+    lens_t, scale = torch.tensor(lens), head_dim**-0.5
+    outs = [kernel.attend_step(q, k, v, *caches, slots, tables, lens_t, starts, 2, scale) for caches in (side, apart)]
+    assert torch.equal(outs[0], outs[1])
+    assert all(a is None or torch.equal(a, b) for a, b in zip(side, apart))
+    write_kv(side, k + 1, v - 1, slots)
+    write_kv(apart, k + 1, v - 1, slots)
+    assert all(a is None or torch.equal(a, b) for a, b in zip(side, apart))

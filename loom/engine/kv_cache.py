@@ -170,11 +170,15 @@ class KVCacheSpec:
         return max(2, memory_bytes // self.bytes_per_block)
 
     def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> list[KVCache]:
-        """One KVCache of zeroed tensors per layer."""
+        """One KVCache of zeroed tensors per layer: K and V are views of one buffer [num_blocks, 2, block_size,
+        num_kv_heads, head_dim] in which each block's V follows its K, so decode attention, which reads a block's
+        keys and then its values, reads one run of memory a block (int8 scales in tensors of their own)."""
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        if not self.quantized:
-            return [KVCache(torch.zeros(shape, dtype=self.dtype, device=device),
-                            torch.zeros(shape, dtype=self.dtype, device=device)) for _ in range(self.num_layers)]
-        return [KVCache(*(torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(2)),
-                        *(torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in range(2)))
-                for _ in range(self.num_layers)]
+        dtype = torch.int8 if self.quantized else self.dtype
+        caches = []
+        for _ in range(self.num_layers):
+            pairs = torch.zeros(num_blocks, 2, *shape[1:], dtype=dtype, device=device)
+            scales = [torch.zeros(shape[:3], dtype=torch.float32, device=device)
+                      for _ in range(2 if self.quantized else 0)]
+            caches.append(KVCache(pairs[:, 0], pairs[:, 1], *scales))
+        return caches

@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 
 class KVCache(NamedTuple):
     """One layer's paged caches, K and V each [num_blocks, block_size, num_kv_heads, head_dim] of the model's dtype,
-    or of int8 codes with float32 scales [num_blocks, block_size, num_kv_heads] (kv_quant.py; None otherwise)."""
+    or of int8 codes with float32 scales [num_blocks, block_size, num_kv_heads] (kv_quant.py; None otherwise).
+    K and V may be views with blocks further apart than their size (KVCacheSpec.allocate); a block's rows are
+    contiguous."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -52,11 +54,13 @@ class AttentionBackend(Protocol):
 def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store each new token's K/V at its slot (block * block_size + offset), quantized for an int8 cache; nothing
     else is copied."""
+    block_size = kv_cache.k.shape[1]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     for cache, scales, rows in ((kv_cache.k, kv_cache.k_scales, k), (kv_cache.v, kv_cache.v_scales, v)):
         if scales is not None:
             rows, row_scales = quantize_heads(rows)
-            scales.view(-1, scales.shape[2]).index_copy_(0, slot_mapping, row_scales)
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, rows)
+            scales[blocks, offsets] = row_scales
+        cache[blocks, offsets] = rows
 
 
 def _gather_context(kv_cache: KVCache, block_ids: torch.Tensor, length: int,

@@ -80,10 +80,11 @@ class RowWalker {
 
   const R* next(float* buffer) {
     const int64_t slot = table_[block_] * g_.block_size + offset_;
-    const C* row = cache_ + slot * g_.row_size;
+    const C* row = cache_ + table_[block_] * g_.block_stride + offset_ * g_.row_size;
     if ((block_ + kAhead) * g_.block_size < end_) {
       const int64_t ahead_slot = table_[block_ + kAhead] * g_.block_size + offset_;
-      const char* ahead = reinterpret_cast<const char*>(cache_ + ahead_slot * g_.row_size);
+      const char* ahead =
+          reinterpret_cast<const char*>(cache_ + table_[block_ + kAhead] * g_.block_stride + offset_ * g_.row_size);
       const int64_t bytes = heads_ * g_.head_dim * static_cast<int64_t>(sizeof(C));
       for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(ahead + b);
       if (scales_) __builtin_prefetch(scales_ + ahead_slot * heads_);
@@ -364,7 +365,7 @@ void bf16_scores_by_tiles(const c10::BFloat16* q, const c10::BFloat16* k_cache, 
           for (int j = 0; j < 2; ++j)
             query_tiles[(((kv * KD + c) * 16 + i) * GROUP + n) * 2 + j] =
                 q[(kv * GROUP + n) * kDim + c * 32 + 2 * i + j];
-  const int64_t block_elems = g.block_size * g.row_size, stride_bytes = g.row_size * 2;
+  const int64_t block_elems = g.block_stride, stride_bytes = g.row_size * 2;
   const int64_t fetch_bytes = num_kv * kDim * 2;
   auto row_at = [&](const bf16* cache, int64_t token) {  // the cache row of `token`
     return cache + table[token / g.block_size] * block_elems + token % g.block_size * g.row_size;
@@ -428,7 +429,7 @@ void bf16_scores(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10
                  const int64_t* table, int64_t lo, int64_t hi, const PagedGeometry& g, DecodeScratch& scratch,
                  float* scores, int64_t padded_len) {
   constexpr int64_t kDim = 32 * KD;
-  const int64_t block_elems = g.block_size * g.row_size;
+  const int64_t block_elems = g.block_stride;
   for (int64_t b = lo / g.block_size; b < std::min(lo / g.block_size + kAhead, (hi - 1) / g.block_size + 1); ++b) {
     const char* rows = reinterpret_cast<const char*>(v_cache + table[b] * block_elems);
     for (int64_t r = 0; r < g.block_size; ++r)
@@ -461,7 +462,7 @@ void bf16_values(const c10::BFloat16* v_cache, const int64_t* table, int64_t beg
                  float* acc_out, float* sums, float* split_acc, float* split_sums) {
   using bf16 = c10::BFloat16;
   constexpr int64_t kDim = 32 * KD;
-  const int64_t len = end - begin, padded_len = round_up(len, kLanes), block_elems = g.block_size * g.row_size;
+  const int64_t len = end - begin, padded_len = round_up(len, kLanes), block_elems = g.block_stride;
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   const __m512i first_half = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i second_half = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
@@ -611,7 +612,7 @@ void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cach
       qs[h * 2 * KD + 2 * u + 1] *= g.scale;
     }
 
-  const int64_t block_elems = g.block_size * g.row_size;
+  const int64_t block_elems = g.block_stride;
   RowWalker<bf16, bf16> keys(k_cache, nullptr, table, begin, end, g);
   for (int64_t t0 = 0; t0 < padded_len; t0 += kLanes) {
     for (int t = 0; t < kLanes; ++t) {
@@ -767,7 +768,7 @@ void attend_decode_int8(const T* q, const int8_t* k_cache, const int8_t* v_cache
                         DecodeScratch& scratch) {
   constexpr int64_t kDim = 16 * NV;
   const int64_t num_kv = g.num_kv_heads, num_q = num_kv * GROUP, len = end - begin, padded_len = round_up(len, kLanes);
-  const int64_t bs = g.block_size, row_size = g.row_size;
+  const int64_t bs = g.block_size;
   float* scores = scratch.scores.data();
   float* inv_sum = scratch.inv_sum.data();
   Vec* dots = scratch.dots.data();
@@ -775,30 +776,31 @@ void attend_decode_int8(const T* q, const int8_t* k_cache, const int8_t* v_cache
   float* q_scales = scratch.q_scales.data();                     // [local head]: times g.scale
   for (int64_t h = 0; h < num_q; ++h) q_scales[h] = loom::quantize_head(q + h * kDim, kDim, q16 + h * kDim) * g.scale;
 
-  // Each run of rows [t, t + rows) within one block, in token order: visit(slot of row t, its item index, rows,
-  // the block's index in the table).
+  // Each run of rows [t, t + rows) within one block, in token order: visit(slot of row t, where row t starts in a
+  // cache, its item index, rows, the block's index in the table).
   const auto for_each_run = [&](auto visit) {
     for (int64_t t = begin; t < end;) {
       const int64_t block = t / bs, offset = t % bs, rows = std::min(bs - offset, end - t);
-      visit(table[block] * bs + offset, t - begin, rows, block);
+      visit(table[block] * bs + offset, table[block] * g.block_stride + offset * g.row_size, t - begin, rows, block);
       t += rows;
     }
   };
   const int64_t row_bytes = num_kv * kDim;
-  for_each_run([&](int64_t slot0, int64_t i0, int64_t rows, int64_t block) {
+  for_each_run([&](int64_t slot0, int64_t row0, int64_t i0, int64_t rows, int64_t block) {
     const bool ahead = (block + kAhead) * bs < end;
     const int64_t ahead_slot0 = ahead ? table[block + kAhead] * bs + slot0 % bs : 0;
+    const int64_t ahead_row0 = ahead ? table[block + kAhead] * g.block_stride + slot0 % bs * g.row_size : 0;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t slot = slot0 + r, i = i0 + r, lane = i % kLanes;
       if (ahead) {
-        const char* next = reinterpret_cast<const char*>(k_cache + (ahead_slot0 + r) * row_size);
+        const char* next = reinterpret_cast<const char*>(k_cache + ahead_row0 + r * g.row_size);
         for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b);
         __builtin_prefetch(g.k_scales + (ahead_slot0 + r) * num_kv);
       }
-      const char* values_row = reinterpret_cast<const char*>(v_cache + slot * row_size);
+      const char* values_row = reinterpret_cast<const char*>(v_cache + row0 + r * g.row_size);
       for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(values_row + b, _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(g.v_scales + slot * num_kv), _MM_HINT_T1);
-      const int8_t* keys = k_cache + slot * row_size;
+      const int8_t* keys = k_cache + row0 + r * g.row_size;
       for (int64_t kv = 0; kv < num_kv; ++kv) {
         __m512i k[NV / 2];
         for (int u = 0; u < NV / 2; ++u)
@@ -830,10 +832,10 @@ void attend_decode_int8(const T* q, const int8_t* k_cache, const int8_t* v_cache
     for (int h = 0; h < GROUP; ++h)
       for (int u = 0; u < NV; ++u) acc[h][u] = _mm512_setzero_ps();
     const float* p_first = scores + kv * GROUP * padded_len;
-    for_each_run([&](int64_t slot0, int64_t i0, int64_t rows, int64_t) {
+    for_each_run([&](int64_t slot0, int64_t row0, int64_t i0, int64_t rows, int64_t) {
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t slot = slot0 + r, i = i0 + r;
-        const int8_t* values = v_cache + slot * row_size + kv * kDim;
+        const int8_t* values = v_cache + row0 + r * g.row_size + kv * kDim;
         __m512 v[NV];
         for (int u = 0; u < NV; ++u) v[u] = codes16(values + 16 * u);
         const float value_scale = g.v_scales[slot * num_kv + kv];

@@ -214,7 +214,7 @@ void attend_tiles(const T* q, const C* k_cache, const C* v_cache, const int64_t*
     int64_t count = 0;
     for (; num_runs < step_blocks && t0 + count <= last_pos; ++num_runs, ++b) {
       const int64_t run_count = std::min(g.block_size, last_pos + 1 - t0 - count);
-      const int64_t offset = table[b] * g.block_size * g.row_size + kvh * head_dim;
+      const int64_t offset = table[b] * g.block_stride + kvh * head_dim;
       const int64_t scale_at = table[b] * g.block_size * g.num_kv_heads + kvh;
       float* k_buffer = scratch.kv_buffer.data() + count * head_dim;
       float* v_buffer = k_buffer + step_blocks * g.block_size * head_dim;

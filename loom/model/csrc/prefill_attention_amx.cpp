@@ -199,8 +199,8 @@ void lay_out_keys_and_values(const C* k_cache, const C* v_cache, const int64_t* 
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t block = 0; block < 2 * steps; ++block) {
     const int64_t count = std::clamp<int64_t>(num_keys - block * kBlock, 0, kBlock);
-    const C* k = count ? k_cache + table[block] * kBlock * g.row_size + kvh * head_dim : nullptr;
-    const C* v = count ? v_cache + table[block] * kBlock * g.row_size + kvh * head_dim : nullptr;
+    const C* k = count ? k_cache + table[block] * g.block_stride + kvh * head_dim : nullptr;
+    const C* v = count ? v_cache + table[block] * g.block_stride + kvh * head_dim : nullptr;
     // Row n's scales (1 where the cache holds the values themselves).
     const int64_t scale_at = table[block] * kBlock * g.num_kv_heads + kvh;
     const auto k_scale = [&](int64_t n) { return g.k_scales ? g.k_scales[scale_at + n * g.num_kv_heads] : 1.f; };

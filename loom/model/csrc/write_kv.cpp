@@ -31,31 +31,37 @@ void check_rows(const torch::Tensor& rows, const torch::Tensor& cache, const cha
               name, " must be a CPU tensor of the cache's dtype (float32 or bfloat16 for an int8 cache)");
 }
 
-// Token t's rows of `rows` quantized into an int8 cache at row slot[t], their scales alongside.
+// Where slot's row starts in a cache whose blocks lie block_stride values apart, in values.
+inline int64_t slot_offset(int64_t slot, int64_t block_size, int64_t block_stride, int64_t row_size) {
+  return slot / block_size * block_stride + slot % block_size * row_size;
+}
+
+// Token t's rows of `rows` quantized into an int8 cache (blocks block_stride apart) at row slot[t], their scales
+// alongside (contiguous).
 template <typename T>
 void quantize_rows(const torch::Tensor& rows, const int64_t* slot, int64_t begin, int64_t end, torch::Tensor& cache,
-                   torch::Tensor& scales) {
+                   int64_t block_stride, torch::Tensor& scales) {
   const int64_t heads = rows.size(1), dim = rows.size(2);
   const T* from = rows.data_ptr<T>();
   int8_t* codes = cache.data_ptr<int8_t>();
   float* scale = scales.data_ptr<float>();
-  for (int64_t t = begin; t < end; ++t)
+  for (int64_t t = begin; t < end; ++t) {
+    int8_t* row = codes + slot_offset(slot[t], cache.size(1), block_stride, heads * dim);
     for (int64_t h = 0; h < heads; ++h)
-      scale[slot[t] * heads + h] =
-          loom::quantize_head(from + t * rows.stride(0) + h * dim, dim, codes + (slot[t] * heads + h) * dim);
+      scale[slot[t] * heads + h] = loom::quantize_head(from + t * rows.stride(0) + h * dim, dim, row + h * dim);
+  }
 }
 
 }  // namespace
 
-// k, v [T, num_kv_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping [T] int64:
-// token t goes to row slot_mapping[t] of the flattened [num_blocks * block_size] rows. int8 caches take their scales
+// k, v [T, num_kv_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim], each block's rows
+// contiguous and blocks the same distance apart in both (loom::check_cache_layout); slot_mapping [T] int64: token t
+// goes to row slot_mapping[t] % block_size of block slot_mapping[t] / block_size. int8 caches take their scales
 // [num_blocks, block_size, num_kv_heads] float32 too.
 void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
               const torch::Tensor& slot_mapping, const std::optional<torch::Tensor>& k_scales,
               const std::optional<torch::Tensor>& v_scales) {
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim] and alike");
+  const int64_t block_stride = loom::check_cache_layout("write_kv", k_cache, v_cache);
   check_rows(k, k_cache, "k");
   check_rows(v, v_cache, "v");
   loom::check_scales(k_cache, k_scales, "k_scales");
@@ -68,7 +74,8 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_c
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   for (int64_t t = 0; t < k.size(0); ++t)
     TORCH_CHECK(0 <= slot[t] && slot[t] < num_slots, "slot ", slot[t], " is outside the cache");
-  const int64_t row_bytes = k_cache.size(2) * k_cache.size(3) * k_cache.element_size();
+  const int64_t row_size = k_cache.size(2) * k_cache.size(3), cache_elem = k_cache.element_size();
+  const int64_t row_bytes = row_size * cache_elem;
   const int64_t elem = k.element_size();
   auto* k_to = static_cast<char*>(k_cache.data_ptr());
   auto* v_to = static_cast<char*>(v_cache.data_ptr());
@@ -79,17 +86,18 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_c
   at::parallel_for(0, k.size(0), kGrainTokens, [&](int64_t begin, int64_t end) {
     if (int8) {
       if (k.scalar_type() == at::kBFloat16) {
-        quantize_rows<c10::BFloat16>(k, slot, begin, end, k_cache, k_scale);
-        quantize_rows<c10::BFloat16>(v, slot, begin, end, v_cache, v_scale);
+        quantize_rows<c10::BFloat16>(k, slot, begin, end, k_cache, block_stride, k_scale);
+        quantize_rows<c10::BFloat16>(v, slot, begin, end, v_cache, block_stride, v_scale);
       } else {
-        quantize_rows<float>(k, slot, begin, end, k_cache, k_scale);
-        quantize_rows<float>(v, slot, begin, end, v_cache, v_scale);
+        quantize_rows<float>(k, slot, begin, end, k_cache, block_stride, k_scale);
+        quantize_rows<float>(v, slot, begin, end, v_cache, block_stride, v_scale);
       }
       return;
     }
     for (int64_t t = begin; t < end; ++t) {
-      std::memcpy(k_to + slot[t] * row_bytes, k_from + t * k.stride(0) * elem, row_bytes);
-      std::memcpy(v_to + slot[t] * row_bytes, v_from + t * v.stride(0) * elem, row_bytes);
+      const int64_t at = slot_offset(slot[t], k_cache.size(1), block_stride, row_size) * cache_elem;
+      std::memcpy(k_to + at, k_from + t * k.stride(0) * elem, row_bytes);
+      std::memcpy(v_to + at, v_from + t * v.stride(0) * elem, row_bytes);
     }
   });
 }
