@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loom.engine.kv_cache import KVCacheSpec
 from loom.model.attention import KVCache, write_kv
 from loom.model.kernels import load_paged_attention
 
@@ -388,8 +389,6 @@ def test_caches_with_each_blocks_k_and_v_side_by_side_give_the_same_bits(kernel,
                                                                          head_dim, block_size):
     """The engine's caches (KVCacheSpec.allocate: a block's V right after its K, views of one buffer) store and
     attend exactly as caches of their own do, in the kernels and in torch's write_kv."""
-    from loom.engine.kv_cache import KVCacheSpec
-
     gen = torch.Generator().manual_seed(block_size + quantized)
     spec = KVCacheSpec(1, kv_heads, head_dim, block_size, dtype, quantized=quantized)
     lens, q_lens = [40, 7, 300, 65], [1, 1, 50, 65]  # two decodes, then two prompt chunks

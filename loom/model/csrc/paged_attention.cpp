@@ -365,10 +365,10 @@ void bf16_scores_by_tiles(const c10::BFloat16* q, const c10::BFloat16* k_cache, 
           for (int j = 0; j < 2; ++j)
             query_tiles[(((kv * KD + c) * 16 + i) * GROUP + n) * 2 + j] =
                 q[(kv * GROUP + n) * kDim + c * 32 + 2 * i + j];
-  const int64_t block_elems = g.block_stride, stride_bytes = g.row_size * 2;
+  const int64_t stride_bytes = g.row_size * 2;
   const int64_t fetch_bytes = num_kv * kDim * 2;
   auto row_at = [&](const bf16* cache, int64_t token) {  // the cache row of `token`
-    return cache + table[token / g.block_size] * block_elems + token % g.block_size * g.row_size;
+    return cache + table[token / g.block_size] * g.block_stride + token % g.block_size * g.row_size;
   };
   auto keys_at = [&](int64_t token) { return row_at(k_cache, token); };
   // Bytes from the first row of the tile at t0 to the end of its last (the item may end inside the tile).
@@ -429,9 +429,8 @@ void bf16_scores(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10
                  const int64_t* table, int64_t lo, int64_t hi, const PagedGeometry& g, DecodeScratch& scratch,
                  float* scores, int64_t padded_len) {
   constexpr int64_t kDim = 32 * KD;
-  const int64_t block_elems = g.block_stride;
   for (int64_t b = lo / g.block_size; b < std::min(lo / g.block_size + kAhead, (hi - 1) / g.block_size + 1); ++b) {
-    const char* rows = reinterpret_cast<const char*>(v_cache + table[b] * block_elems);
+    const char* rows = reinterpret_cast<const char*>(v_cache + table[b] * g.block_stride);
     for (int64_t r = 0; r < g.block_size; ++r)
       for (int64_t x = 0; x < g.num_kv_heads * kDim * 2; x += 64)
         _mm_prefetch(rows + r * g.row_size * 2 + x, _MM_HINT_T2);
@@ -462,7 +461,7 @@ void bf16_values(const c10::BFloat16* v_cache, const int64_t* table, int64_t beg
                  float* acc_out, float* sums, float* split_acc, float* split_sums) {
   using bf16 = c10::BFloat16;
   constexpr int64_t kDim = 32 * KD;
-  const int64_t len = end - begin, padded_len = round_up(len, kLanes), block_elems = g.block_stride;
+  const int64_t len = end - begin, padded_len = round_up(len, kLanes);
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   const __m512i first_half = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i second_half = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
@@ -484,11 +483,11 @@ void bf16_values(const c10::BFloat16* v_cache, const int64_t* table, int64_t beg
         for (; exps_to < t0 - begin + rows; exps_to += kLanes)
           for (int h = 0; h < GROUP; ++h)
             sum[h] += exp_scores(p_first + h * padded_len, exps_to, len, head_max[kv * GROUP + h]);
-        const bf16* rows_at = head_cache + table[block] * block_elems;
+        const bf16* rows_at = head_cache + table[block] * g.block_stride;
         // While row r of this block is read, row r of the block kAhead on is prefetched (see RowWalker), across the
         // split too.
         const char* ahead = (block + kAhead) * g.block_size < hi
-                                ? reinterpret_cast<const char*>(head_cache + table[block + kAhead] * block_elems)
+                                ? reinterpret_cast<const char*>(head_cache + table[block + kAhead] * g.block_stride)
                                 : nullptr;
         for (int64_t r = offset; r < offset + rows; ++r) {
           const bf16* row = rows_at + r * g.row_size;
@@ -612,7 +611,6 @@ void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cach
       qs[h * 2 * KD + 2 * u + 1] *= g.scale;
     }
 
-  const int64_t block_elems = g.block_stride;
   RowWalker<bf16, bf16> keys(k_cache, nullptr, table, begin, end, g);
   for (int64_t t0 = 0; t0 < padded_len; t0 += kLanes) {
     for (int t = 0; t < kLanes; ++t) {
@@ -622,7 +620,7 @@ void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cach
       }
       const bf16* row = keys.next(nullptr);
       const int64_t token = begin + t0 + t;
-      const char* values_row = reinterpret_cast<const char*>(v_cache + table[token / g.block_size] * block_elems +
+      const char* values_row = reinterpret_cast<const char*>(v_cache + table[token / g.block_size] * g.block_stride +
                                                              token % g.block_size * g.row_size);
       for (int64_t b = 0; b < num_kv * kDim * 2; b += 64) __builtin_prefetch(values_row + b);
       for (int64_t kv = 0; kv < num_kv; ++kv) {
@@ -652,7 +650,7 @@ void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cach
       for (int64_t t0 = begin; t0 < end;) {
         const int64_t block = t0 / g.block_size, offset = t0 % g.block_size;
         const int64_t rows = std::min(g.block_size - offset, end - t0);
-        const bf16* rows_at = head_cache + table[block] * block_elems + 16 * u0;
+        const bf16* rows_at = head_cache + table[block] * g.block_stride + 16 * u0;
         for (int64_t r = offset; r < offset + rows; ++r) {
           Vec v[2 * kSlice];
           const bf16* row = rows_at + r * g.row_size;
