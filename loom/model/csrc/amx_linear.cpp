@@ -53,11 +53,11 @@ constexpr int64_t kTileElems = 16 * kChunk;  // one packed weight tile: 16 pair-
 constexpr int64_t kBlockRows = 256;  // rows of x per pass over the weights, so the rows stay in L2
 // Within a pass, a panel group's weights go by in slices of kSliceChunks k chunks (12 KiB for two panels), each
 // slice used by a sub-pass of row blocks in turn while it stays in L1 (kSubBlocks of them in 2 x 2 groups, whose
-// sums, 8 KiB, wait in L1 for the next slice; the whole pass in groups of three panels, below). Without slicing,
-// each row block pair read its panel pair from L2 again.
+// sums, 8 KiB, wait in L1 for the next slice; the whole pass, one row block a group, where x has two blocks or more:
+// below). Without slicing, each row block pair read its panel pair from L2 again.
 constexpr int64_t kSliceChunks = 6;
 constexpr int64_t kSubBlocks = 4;
-constexpr int64_t kTripleMaxPanels = 256;  // weights up to which panels go three at a time (4096 outputs; below)
+constexpr int64_t kTripleMaxPanels = 256;  // dense weights up to which panels go three at a time (4096 outputs; below)
 constexpr int64_t kSliceMaxChunks = 18;  // k chunks of an x row block pair that stay in L1 (36 KiB)
 // Weight tiles that wait in L2 for all of a thread's rows (576 KiB). 1152 where a thread's x passes 1 MiB (qkv and o
 // in one range) gained in o and down but lost in gate/up (thirty-third session, docs/benchmarks.md).
@@ -82,10 +82,14 @@ struct RowBlock {
 // bit). `panel` is the first panel's tile at chunk c0, the others panel_elems apart. Tiles 0-3 hold the sums of (row
 // block i, panel j) at 2i + j; 4-5 the two row blocks of x; 6-7 the two panels (a third panel, with one row block, in
 // tile 5).
-template <int RB, int PB, bool kStreamPanels = false>
+// kDoubleBuffered (one row block, two panels, all tiles configured with 16 rows): the chunks alternate between two
+// sets of operand tiles, x in 4 and the panels in 6-7, then x in 5 and the panels in 2-3, so a chunk's loads need not
+// wait for the products that read the chunk before (a tile register is not renamed); see amx_linear_impl.
+template <int RB, int PB, bool kStreamPanels = false, bool kDoubleBuffered = false>
 void tile_group(const RowBlock* a, const bf16* panel, int64_t panel_elems, int64_t c0, int64_t c1, bool resume,
                 float* sums) {
   static_assert(RB * PB <= 4 && RB + PB <= 4, "8 tiles: RB x PB sums, RB row blocks, PB panels");
+  static_assert(!kDoubleBuffered || (RB == 1 && PB == 2 && !kStreamPanels), "double buffers: 1 x 2 groups");
   constexpr int64_t kSums = kRows * kPanel;
   if (resume) {
     _tile_loadd(0, sums, 64);
@@ -97,6 +101,33 @@ void tile_group(const RowBlock* a, const bf16* panel, int64_t panel_elems, int64
     if constexpr (PB >= 2) _tile_zero(1);
     if constexpr (RB == 2 || PB == 3) _tile_zero(2);
     if constexpr (RB == 2 && PB == 2) _tile_zero(3);
+  }
+  if constexpr (kDoubleBuffered) {
+    int64_t c = c0;
+    for (; c + 1 < c1; c += 2) {
+      const bf16* w = panel + (c - c0) * kTileElems;
+      _tile_loadd(4, a[0].rows + c * kChunk, a[0].stride_bytes);
+      _tile_loadd(6, w, 64);
+      _tile_loadd(7, w + panel_elems, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(5, a[0].rows + (c + 1) * kChunk, a[0].stride_bytes);
+      _tile_loadd(2, w + kTileElems, 64);
+      _tile_loadd(3, w + panel_elems + kTileElems, 64);
+      _tile_dpbf16ps(0, 5, 2);
+      _tile_dpbf16ps(1, 5, 3);
+    }
+    if (c < c1) {
+      const bf16* w = panel + (c - c0) * kTileElems;
+      _tile_loadd(4, a[0].rows + c * kChunk, a[0].stride_bytes);
+      _tile_loadd(6, w, 64);
+      _tile_loadd(7, w + panel_elems, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    _tile_stored(0, sums, 64);
+    _tile_stored(1, sums + kSums, 64);
+    return;
   }
   for (int64_t c = c0; c < c1; ++c) {
     const bf16* w = panel + (c - c0) * kTileElems;
@@ -122,11 +153,15 @@ void tile_group(const RowBlock* a, const bf16* panel, int64_t panel_elems, int64
   if constexpr (RB == 2 && PB == 2) _tile_stored(3, sums + 3 * kSums, 64);
 }
 
-// tile_group for a group of rb row blocks and pb panels, as amx_linear_impl forms them (1 x 3, 2 x 2, and the
-// smaller ones at the edges).
+// tile_group for a group of rb row blocks and pb panels, as amx_linear_impl and rows_against_panel_ranges form them
+// (1 x 2 double-buffered where asked, 1 x 3, 2 x 2, and the smaller ones at the edges).
 template <bool kStreamPanels = false>
 void tile_group_of(int rb, int pb, const RowBlock* a, const bf16* panel, int64_t panel_elems, int64_t c0, int64_t c1,
-                   bool resume, float* sums) {
+                   bool resume, float* sums, bool double_buffered = false) {
+  if constexpr (!kStreamPanels) {
+    if (double_buffered && rb == 1 && pb == 2) return tile_group<1, 2, false, true>(a, panel, panel_elems, c0, c1,
+                                                                                     resume, sums);
+  }
   if (pb == 3) tile_group<1, 3, kStreamPanels>(a, panel, panel_elems, c0, c1, resume, sums);
   else if (rb == 2 && pb == 2) tile_group<2, 2, kStreamPanels>(a, panel, panel_elems, c0, c1, resume, sums);
   else if (rb == 2) tile_group<2, 1, kStreamPanels>(a, panel, panel_elems, c0, c1, resume, sums);
@@ -252,7 +287,7 @@ template <typename Format>
 struct RecordTiles {
   const uint8_t* records;  // [num_panels][chunks] records of Format
   int64_t chunks;
-  static constexpr int64_t kBufferElems = 3 * kSliceChunks * kTileElems;  // a slice of three panels: 18 KiB
+  static constexpr int64_t kBufferElems = 2 * kSliceChunks * kTileElems;  // a slice of two panels: 12 KiB
   // Each record's lines are asked for this far ahead, to L2: the dequantizing keeps the core busy between reads, and
   // the hardware prefetchers alone then fell behind. 30 layers' matmuls and the head, medians of 7, ms: 1 row
   // 11.2-11.6 without, 9.3-9.8 at 2.5 KiB, 9.1-9.3 at 10 KiB; 64 rows 18.3 / 16.2-16.9 / 15.7-16.2.
@@ -363,20 +398,23 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const Wei
     if (r0 < copied_from) return {x + r0 * in_features, in_features * int64_t{sizeof(bf16)}};
     return {padded.data() + (r0 - copied_from) * padded_k, padded_k * int64_t{sizeof(bf16)}};
   };
-  // Row blocks take panels three at a time, one row block a group, where the weight's panels divide so: each x tile
-  // loaded from L2 serves three panels instead of two (with 2 x 2 groups, at 64 rows, a panel pair's x tiles from
-  // L2, 72 KiB in ~1.4 us, and its weights from memory, 36 KiB in ~2.6 us, did not overlap), and a slice of the
-  // panels' weights serves the pass's row blocks from L1. 30 layers' matmuls: 48 rows 11.6-11.7 -> 10.6-10.8 ms, 64
-  // rows 12.7-13.0 -> 11.8-12.0, 128 rows 17.8-17.9 -> 16.3-17.0 (triples up to 8 row blocks first), then from 9
-  // row blocks on too: 192 rows 25.9 -> 23.7-24.1, 512 rows 58.9-59.2 -> 56.1-56.6, 2048 rows the same (208-210).
-  // Not for one row block (no x traffic to save), nor for weights as wide as an LM head's, which stream at memory's
-  // rate already (SmolLM2's at 64 rows: 56.6 MB in ~2.0 ms) and went slower with three weight streams a thread
-  // (2.0-2.1 -> 2.2-2.5 ms).
+  // Where x has two row blocks or more (so every tile has 16 rows), a group is one row block: GGUF records in 1 x 2
+  // groups, their operands double-buffered (tile_group), and a slice of the panels' dequantized weights serves the
+  // pass's row blocks from L1. Against the 1 x 3 groups they had before (2 x 2 where the panels do not divide by 3 or
+  // pass 256), alternating processes, medians of 15 passes, 30 layers' matmuls and the LM head, ms: 24 rows 9.11 /
+  // 8.45 -> 7.41 / 7.11 and head 1.67 / 1.49 -> 1.46 / 1.39; 64 rows 11.35 / 11.91 -> 11.41 / 10.14 and 2.64 / 3.08
+  // -> 2.64 / 2.31; 128 rows 19.85 / 20.57 -> 18.89 / 17.78 and 4.92 / 5.24 -> 4.62 / 4.43; 256 rows 32.78 / 32.22 ->
+  // 30.36 / 30.15 and 12.15 / 11.87 -> 9.61 / 9.53. Dense bfloat16 tiles gained nothing from them (64 rows 13.76 /
+  // 13.30 -> 13.81 / 13.84, 24 rows 11.00 / 11.63 -> 11.61 / 11.86) and keep panels three at a time, one row block a
+  // group, where the panels divide so: each x tile loaded from L2 serves three panels instead of two (against 2 x 2
+  // groups, 30 layers' matmuls at 48 rows 11.6-11.7 -> 10.6-10.8 ms, 64 rows 12.7-13.0 -> 11.8-12.0, 192 rows 25.9 ->
+  // 23.7-24.1), but not for weights as wide as an LM head's, which went slower with three weight streams a thread.
   // Tried and not kept (thirty-first session), for panels split among threads: 2 x 2 groups over all of k with x
   // read by TILELOADDT1 (alone at 512 rows: qkv 2228 -> 2459 GFLOP/s, o 2158 -> 2437; in the forward a 64 x 200
   // decode step 32.9 -> 34.3 ms, slower).
-  const bool triples = num_blocks >= 2 && num_panels % 3 == 0 && num_panels <= kTripleMaxPanels;
-  const int64_t group_panels = triples ? 3 : 2, group_blocks = triples ? 1 : 2;
+  const bool singles = kDequantizes && num_blocks >= 2;
+  const bool triples = !kDequantizes && num_blocks >= 2 && num_panels % 3 == 0 && num_panels <= kTripleMaxPanels;
+  const int64_t group_panels = triples ? 3 : 2, group_blocks = triples || singles ? 1 : 2;
   const int64_t blocks_per_pass = kBlockRows / kRows;
   const int64_t sub_blocks = triples || kDequantizes ? blocks_per_pass : kSubBlocks;
   // Threads split the panel groups: each weight tile is read by one thread, once per pass over the rows. Each
@@ -424,11 +462,11 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const Wei
             int64_t panel_elems;
             const bf16* panel = weights.slice(p, pb, c0, c1, buffer, panel_elems);
             for (int64_t b = s0; b < s1; b += group_blocks) {
-              const int rb = b + 1 < s1 && !triples ? 2 : 1;
+              const int rb = b + 1 < s1 && !triples && !singles ? 2 : 1;
               const RowBlock a[2] = {row_block(b), rb == 2 ? row_block(b + 1) : row_block(b)};
               float* group_sums = sums[n & 1] + (b - s0) / group_blocks * group_panels * group_blocks * kTileSums;
               const bool resume = c0 > 0;
-              tile_group_of(rb, pb, a, panel, panel_elems, c0, c1, resume, group_sums);
+              tile_group_of(rb, pb, a, panel, panel_elems, c0, c1, resume, group_sums, singles);
               if (c1 < chunks) continue;
               if (pending) store_group(pending_sums, *pending, bias, rows, y, out_features, silu_table);
               pending = TileGroup{p, b, rb, pb};
