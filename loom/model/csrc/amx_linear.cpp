@@ -103,28 +103,26 @@ void tile_group(const RowBlock* a, const bf16* panel, int64_t panel_elems, int64
     if constexpr (RB == 2 && PB == 2) _tile_zero(3);
   }
   if constexpr (kDoubleBuffered) {
-    int64_t c = c0;
-    for (; c + 1 < c1; c += 2) {
+    // Chunk c's products, its operands in tiles 4, 6, 7 (the first set) or 5, 2, 3 (the second).
+    const auto first_set = [&](int64_t c) {
       const bf16* w = panel + (c - c0) * kTileElems;
       _tile_loadd(4, a[0].rows + c * kChunk, a[0].stride_bytes);
       _tile_loadd(6, w, 64);
       _tile_loadd(7, w + panel_elems, 64);
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(5, a[0].rows + (c + 1) * kChunk, a[0].stride_bytes);
-      _tile_loadd(2, w + kTileElems, 64);
-      _tile_loadd(3, w + panel_elems + kTileElems, 64);
+    };
+    const auto second_set = [&](int64_t c) {
+      const bf16* w = panel + (c - c0) * kTileElems;
+      _tile_loadd(5, a[0].rows + c * kChunk, a[0].stride_bytes);
+      _tile_loadd(2, w, 64);
+      _tile_loadd(3, w + panel_elems, 64);
       _tile_dpbf16ps(0, 5, 2);
       _tile_dpbf16ps(1, 5, 3);
-    }
-    if (c < c1) {
-      const bf16* w = panel + (c - c0) * kTileElems;
-      _tile_loadd(4, a[0].rows + c * kChunk, a[0].stride_bytes);
-      _tile_loadd(6, w, 64);
-      _tile_loadd(7, w + panel_elems, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-    }
+    };
+    int64_t c = c0;
+    for (; c + 1 < c1; c += 2) first_set(c), second_set(c + 1);
+    if (c < c1) first_set(c);
     _tile_stored(0, sums, 64);
     _tile_stored(1, sums + kSums, 64);
     return;
