@@ -80,11 +80,10 @@ class RowWalker {
 
   const R* next(float* buffer) {
     const int64_t slot = table_[block_] * g_.block_size + offset_;
-    const C* row = cache_ + table_[block_] * g_.block_stride + offset_ * g_.row_size;
+    const C* row = cache_ + g_.row_offset(table_[block_], offset_);
     if ((block_ + kAhead) * g_.block_size < end_) {
       const int64_t ahead_slot = table_[block_ + kAhead] * g_.block_size + offset_;
-      const char* ahead =
-          reinterpret_cast<const char*>(cache_ + table_[block_ + kAhead] * g_.block_stride + offset_ * g_.row_size);
+      const char* ahead = reinterpret_cast<const char*>(cache_ + g_.row_offset(table_[block_ + kAhead], offset_));
       const int64_t bytes = heads_ * g_.head_dim * static_cast<int64_t>(sizeof(C));
       for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(ahead + b);
       if (scales_) __builtin_prefetch(scales_ + ahead_slot * heads_);
@@ -368,7 +367,7 @@ void bf16_scores_by_tiles(const c10::BFloat16* q, const c10::BFloat16* k_cache, 
   const int64_t stride_bytes = g.row_size * 2;
   const int64_t fetch_bytes = num_kv * kDim * 2;
   auto row_at = [&](const bf16* cache, int64_t token) {  // the cache row of `token`
-    return cache + table[token / g.block_size] * g.block_stride + token % g.block_size * g.row_size;
+    return cache + g.row_offset(table[token / g.block_size], token % g.block_size);
   };
   auto keys_at = [&](int64_t token) { return row_at(k_cache, token); };
   // Bytes from the first row of the tile at t0 to the end of its last (the item may end inside the tile).
@@ -620,8 +619,8 @@ void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cach
       }
       const bf16* row = keys.next(nullptr);
       const int64_t token = begin + t0 + t;
-      const char* values_row = reinterpret_cast<const char*>(v_cache + table[token / g.block_size] * g.block_stride +
-                                                             token % g.block_size * g.row_size);
+      const char* values_row =
+          reinterpret_cast<const char*>(v_cache + g.row_offset(table[token / g.block_size], token % g.block_size));
       for (int64_t b = 0; b < num_kv * kDim * 2; b += 64) __builtin_prefetch(values_row + b);
       for (int64_t kv = 0; kv < num_kv; ++kv) {
         Vec k[2 * KD];
@@ -779,7 +778,7 @@ void attend_decode_int8(const T* q, const int8_t* k_cache, const int8_t* v_cache
   const auto for_each_run = [&](auto visit) {
     for (int64_t t = begin; t < end;) {
       const int64_t block = t / bs, offset = t % bs, rows = std::min(bs - offset, end - t);
-      visit(table[block] * bs + offset, table[block] * g.block_stride + offset * g.row_size, t - begin, rows, block);
+      visit(table[block] * bs + offset, g.row_offset(table[block], offset), t - begin, rows, block);
       t += rows;
     }
   };
@@ -787,7 +786,7 @@ void attend_decode_int8(const T* q, const int8_t* k_cache, const int8_t* v_cache
   for_each_run([&](int64_t slot0, int64_t row0, int64_t i0, int64_t rows, int64_t block) {
     const bool ahead = (block + kAhead) * bs < end;
     const int64_t ahead_slot0 = ahead ? table[block + kAhead] * bs + slot0 % bs : 0;
-    const int64_t ahead_row0 = ahead ? table[block + kAhead] * g.block_stride + slot0 % bs * g.row_size : 0;
+    const int64_t ahead_row0 = ahead ? g.row_offset(table[block + kAhead], slot0 % bs) : 0;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t slot = slot0 + r, i = i0 + r, lane = i % kLanes;
       if (ahead) {

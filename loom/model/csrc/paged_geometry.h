@@ -29,6 +29,8 @@ struct PagedGeometry {
 
   int64_t group() const { return num_heads / num_kv_heads; }              // query heads per KV head
   int64_t padded_dim() const { return (head_dim + kLanes - 1) / kLanes * kLanes; }  // whole vectors
+  // Where row `offset` of cache block `block` starts in a cache, in values.
+  int64_t row_offset(int64_t block, int64_t offset) const { return block * block_stride + offset * row_size; }
 };
 
 // The block stride of a K and a V cache [blocks, block_size, num_kv_heads, head_dim] whose blocks' rows are
