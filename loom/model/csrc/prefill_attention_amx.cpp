@@ -28,6 +28,11 @@
 // tokens). One pass over the scores instead of two, the same bits. Alternating in one process, medians of 11, ms a
 // layer: 2048 tokens 5.11-5.33 -> 4.69-4.87, 512 0.38-0.48 -> 0.36-0.44, 256 after 768 0.56-0.59 -> 0.51-0.52; a
 // 2048-token prefill 555-567 -> 522-540 ms.
+// Since then a step after a tile's first takes no maxima at all unless its sums reach kRiseSums in some lane, which a
+// lane whose maximum rises must (one of its probabilities is 2^kLazyRescale or more): the same rising steps, the
+// same bits, and no VMAXPS in the usual step. A /tmp harness of this file's attend_tile, tiles of 49-64 steps, one
+// thread: 149-153 -> 137-140 ns a step; attention in a 2048-token prefill, alternating processes, medians of 11,
+// 110.4 / 107.1 / 110.3 / 113.4 -> 103.1 / 103.6 / 104.9 / 106.5 ms.
 // Items go KV head by KV head, costliest first, and a thread keeps the keys and values it laid out while its next
 // item needs no more of the same sequence and head (keys past an item's own are masked, their probabilities exactly
 // 0): a 2048-token prompt is laid out about once a head and thread (~6 times a layer), not 48. In one process,
@@ -101,6 +106,9 @@ inline V16 exp2_16(V16 x) {
 
 constexpr int64_t kHeldTiles = 4;      // output tiles kept in tile registers (0-3)
 constexpr float kLazyRescale = 8.f;   // how far a lane's maximum may rise before its sums are rescaled
+// A step's sums in a lane whose maximum rises by more than kLazyRescale reach 2^8 (one probability does); half that
+// leaves room for the FMA's rounding of score * scale - maximum against the rounded maxima that decide the rise.
+constexpr float kRiseSums = 128.f;
 
 enum class TileOp { kZero, kLoad, kStore, kAddProduct };
 
@@ -292,10 +300,10 @@ void attend_tile(const bf16* q, int64_t t0, int64_t rows, int64_t first_pos, int
     // flight; the two steps' scores alternate between the halves of scratch.s.
     float* s = scratch.s.data() + (i % 2) * kStep * 16;
     if (k0 + kStep <= last_pos) compute_scores(k0 + kStep, scratch.s.data() + ((i + 1) % 2) * kStep * 16);
-    // Scores stay raw: each probability is 2^(score * log2_scale - maximum), one FMA, and the maximum is taken of the
-    // raw scores as they are read (scaling is monotonic). Keys past a lane's position exist only in the steps that
-    // reach the tile's first position. `probabilities` stores P^T against the given maxima, sums them into row_sums
-    // and returns the step's own maxima (scaled).
+    // Scores stay raw: each probability is 2^(score * log2_scale - maximum), one FMA, and maxima are taken of the raw
+    // scores (scaling is monotonic). Keys past a lane's position exist only in the steps that reach the tile's first
+    // position. `probabilities` stores P^T against the given maxima and sums them into row_sums; `step_maxima` is a
+    // pass of maxima alone (scaled).
     const bool reaches_first = k0 + kStep - 1 > first_pos + t0;
     const __m512 scale_v = _mm512_set1_ps(log2_scale);
     V16 row_sums;
@@ -305,35 +313,40 @@ void attend_tile(const bf16* q, int64_t t0, int64_t rows, int64_t first_pos, int
     };
     auto probabilities = [&](V16 maxima) {
       const __m512 neg_m = reinterpret_cast<__m512>(-maxima);
-      V16 sums = V16{}, highest[2] = {V16{} + kMasked, V16{} + kMasked};
+      V16 sums = V16{};
       for (int64_t j = 0; j < kStep; j += 2) {
-        const V16 x0 = score(j), x1 = score(j + 1);
-        highest[0] = highest[0] > x0 ? highest[0] : x0;
-        highest[1] = highest[1] > x1 ? highest[1] : x1;
-        const V16 e0 = exp2_16(reinterpret_cast<V16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(x0), scale_v, neg_m)));
-        const V16 e1 = exp2_16(reinterpret_cast<V16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(x1), scale_v, neg_m)));
+        const V16 e0 = exp2_16(reinterpret_cast<V16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(score(j)), scale_v, neg_m)));
+        const V16 e1 =
+            exp2_16(reinterpret_cast<V16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(score(j + 1)), scale_v, neg_m)));
         sums += e0;
         sums += e1;
         // Row j / 2 of P^T's B tile: lane n holds query n's probabilities of keys j and j + 1.
         _mm512_storeu_si512(p + j * 16, bf16_pairs(e0, e1));
       }
       row_sums = sums;
+    };
+    auto step_maxima = [&] {
+      V16 highest[2] = {V16{} + kMasked, V16{} + kMasked};
+      for (int64_t j = 0; j < kStep; j += 2) {
+        const V16 x0 = score(j), x1 = score(j + 1);
+        highest[0] = highest[0] > x0 ? highest[0] : x0;
+        highest[1] = highest[1] > x1 ? highest[1] : x1;
+      }
       return (highest[0] > highest[1] ? highest[0] : highest[1]) * log2_scale;
     };
     if (k0 == 0) {
-      // The tile's first step sets its lanes' maxima (nothing summed yet to rescale), by a pass of maxima alone.
-      V16 highest[2] = {V16{} + kMasked, V16{} + kMasked};
-      for (int64_t j = 0; j < kStep; ++j) {
-        const V16 x = score(j);
-        highest[j % 2] = highest[j % 2] > x ? highest[j % 2] : x;
-      }
-      m = (highest[0] > highest[1] ? highest[0] : highest[1]) * log2_scale;
+      // The tile's first step sets its lanes' maxima (nothing summed yet to rescale).
+      m = step_maxima();
       probabilities(m);
     } else {
-      // Later steps take their probabilities against the maxima so far, in the same pass that finds the step's own.
-      // A lane's maximum moves (its sums rescaled, the step's probabilities taken again) only when the step's scores
-      // exceed it by more than kLazyRescale (see the top of the file: under 1% of these steps).
-      const V16 step_max = probabilities(m);
+      // Later steps take their probabilities against the maxima so far. A lane's maximum moves (its sums rescaled,
+      // the step's probabilities taken again) only when the step's scores exceed it by more than kLazyRescale (see
+      // the top of the file: under 1% of these steps). Such a lane has a probability of 2^kLazyRescale or more, so
+      // the step's maxima are looked for only in steps whose sums reach kRiseSums in some lane.
+      probabilities(m);
+      const bool may_rise =
+          _mm512_cmp_ps_mask(reinterpret_cast<__m512>(row_sums), _mm512_set1_ps(kRiseSums), _CMP_GT_OQ) != 0;
+      const V16 step_max = may_rise ? step_maxima() : m;
       const __mmask16 rising = _mm512_cmp_ps_mask(reinterpret_cast<__m512>(step_max - m),
                                                   _mm512_set1_ps(kLazyRescale), _CMP_GT_OQ);
       if (rising) {
