@@ -315,9 +315,9 @@ void attend_tile(const bf16* q, int64_t t0, int64_t rows, int64_t first_pos, int
       const __m512 neg_m = reinterpret_cast<__m512>(-maxima);
       V16 sums = V16{};
       for (int64_t j = 0; j < kStep; j += 2) {
-        const V16 e0 = exp2_16(reinterpret_cast<V16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(score(j)), scale_v, neg_m)));
-        const V16 e1 =
-            exp2_16(reinterpret_cast<V16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(score(j + 1)), scale_v, neg_m)));
+        const __m512 x0 = reinterpret_cast<__m512>(score(j)), x1 = reinterpret_cast<__m512>(score(j + 1));
+        const V16 e0 = exp2_16(reinterpret_cast<V16>(_mm512_fmadd_ps(x0, scale_v, neg_m)));
+        const V16 e1 = exp2_16(reinterpret_cast<V16>(_mm512_fmadd_ps(x1, scale_v, neg_m)));
         sums += e0;
         sums += e1;
         // Row j / 2 of P^T's B tile: lane n holds query n's probabilities of keys j and j + 1.
