@@ -21,6 +21,7 @@ from loom import LLMEngine, SamplingParams
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.model.loader import LoadedModel, default_model_path, load_model
 from loom.model.quantized import QuantizedWeight
+from loom.model.vml_dispatch import settle_vml_dispatch
 
 CORPUS = [
     "The capital of France is Paris. The quick brown fox jumps over the lazy dog.",
@@ -81,6 +82,14 @@ def _save_tiny(kind: str, path: Path) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     _train_tokenizer(path)
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def settled_vml_dispatch() -> None:
+    """MKL's vector math kernels chosen on one thread before any test's torch math, so that a test's first cos or
+    exp on two threads (transformers' reference forward, say) cannot run MKL's low-accuracy kernel
+    (loom/model/vml_dispatch.py)."""
+    settle_vml_dispatch()
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2", "gpt2"])

