@@ -42,6 +42,7 @@ def test_each_function_is_called_on_one_element_of_both_float_types(monkeypatch)
 
 
 def test_building_a_model_settles_the_dispatch_first(tiny_llama, monkeypatch):
+    """Before the model is constructed, so before its RoPE table's cos."""
     order = []
     monkeypatch.setattr(loom.model.loader, "settle_vml_dispatch", lambda: order.append("settle"))
     original_init = LlamaModel.__init__

@@ -4,8 +4,8 @@ On CPU, torch hands a contiguous float32 / float64 tensor's cos, sin, exp, log, 
 VML, each intra-op thread its own chunk. oneMKL picks each function's kernel lazily, on that function's first call;
 with oneMKL 2024.2 (what torch's wheels bundle) two threads making that first call at once can leave one of them
 running a low-accuracy kernel for its whole chunk, although high accuracy is asked for (pytorch/pytorch#188792). The
-next call is right again, so only a process's first sizable call goes wrong. Loom met it in its RoPE table (the first
-cos of the process): 4640 of its 524288 bfloat16 entries one step off, and then a prompt's logits off by ~0.03.
+next call is right again, so only a process's first sizable call goes wrong. Loom met it in its RoPE table (the
+process's first cos): 4640 of its 524288 bfloat16 entries one step off, a prompt's log-probabilities ~0.03 off.
 """
 
 from __future__ import annotations
