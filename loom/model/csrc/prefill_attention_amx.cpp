@@ -208,18 +208,19 @@ void lay_out_keys_and_values(const C* k_cache, const C* v_cache, const int64_t* 
   const int64_t row_lines = (head_dim * static_cast<int64_t>(sizeof(C)) + 63) / 64;
   for (int64_t block = 0; block < 2 * steps; ++block) {
     const int64_t count = std::clamp<int64_t>(num_keys - block * kBlock, 0, kBlock);
-    const C* k = count ? k_cache + table[block] * g.block_stride + kvh * head_dim : nullptr;
-    const C* v = count ? v_cache + table[block] * g.block_stride + kvh * head_dim : nullptr;
+    const C* k = count ? k_cache + g.row_offset(table[block], 0) + kvh * head_dim : nullptr;
+    const C* v = count ? v_cache + g.row_offset(table[block], 0) + kvh * head_dim : nullptr;
     // The next block's rows of this head asked for now: blocks lie wherever the table puts them, beyond the
     // hardware prefetchers' reach, and each row is read once. Attention's share of a 2048-token prefill, alternating
     // processes, medians of 11: 110.2 / 111.9 / 110.5 / 110.2 -> 106.9 / 105.4 / 106.2 / 107.8 ms.
     if (num_keys - (block + 1) * kBlock > 0) {
-      const int64_t next = table[block + 1] * g.block_stride + kvh * head_dim;
-      for (int64_t n = 0; n < kBlock; ++n)
+      for (int64_t n = 0; n < kBlock; ++n) {
+        const int64_t row = g.row_offset(table[block + 1], n) + kvh * head_dim;
         for (int64_t line = 0; line < row_lines; ++line) {
-          _mm_prefetch(reinterpret_cast<const char*>(k_cache + next + n * g.row_size) + line * 64, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(v_cache + next + n * g.row_size) + line * 64, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(k_cache + row) + line * 64, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(v_cache + row) + line * 64, _MM_HINT_T0);
         }
+      }
     }
     // Row n's scales (1 where the cache holds the values themselves).
     const int64_t scale_at = table[block] * kBlock * g.num_kv_heads + kvh;
