@@ -146,6 +146,7 @@ struct DecodeScratch {
   std::vector<float> tile_sums;            // bf16_scores_by_tiles: [tile][head][token]
   std::vector<float> half_acc, half_sums;  // attend_decode_bf16: each half's value, exp sums [2][head][dim], [2][head]
   std::vector<float> q_scales;             // attend_decode_int8: [head], q's int16 scale times the softmax scale
+  std::vector<float> unit_scores;          // attend_in_halves: this thread's units' scores [unit][head][item length]
   DecodeScratch(const PagedGeometry& g, int64_t max_len) {
     const int64_t vecs = g.padded_dim() / kLanes;
     q.resize(g.num_heads * vecs), acc.resize(g.num_heads * vecs), dots.resize(g.num_heads * kLanes);
@@ -158,6 +159,28 @@ struct DecodeScratch {
     q_scales.resize(g.num_heads);
   }
 };
+
+// The calling thread's DecodeScratch, kept from call to call: made and first written by the thread that uses it, and
+// remade only for other head counts or sizes or a longer context. Made afresh in each call (tens of KiB zeroed), a
+// lone 512-token sequence's worker thread took 3-4 us to make its scratch against the main thread's 1.5-1.7 (rdtsc
+// marks inside the call), and the main thread then waited for it at attend_in_halves' barrier. A bare loop of
+// SmolLM2's decode kernels, alternating processes, medians of 10 rounds, us a layer: 1 sequence at 512 tokens 48.9 /
+// 51.7 / 49.4 -> 38.3 / 40.9 / 42.3; 16 at 250 223.9 / 209.7 / 214.5 -> 209.0 / 203.3 / 197.7; 4 at 300 and 64 at
+// 211 within the noise. The same bits.
+DecodeScratch& kept_decode_scratch(const PagedGeometry& g, int64_t max_len) {
+  struct Kept {
+    std::optional<DecodeScratch> scratch;
+    int64_t num_heads = 0, num_kv_heads = 0, padded_dim = 0, max_len = -1;
+  };
+  static thread_local Kept kept;
+  if (!kept.scratch || kept.num_heads != g.num_heads || kept.num_kv_heads != g.num_kv_heads ||
+      kept.padded_dim != g.padded_dim() || kept.max_len < max_len) {
+    kept.scratch.emplace(g, max_len);
+    kept.num_heads = g.num_heads, kept.num_kv_heads = g.num_kv_heads, kept.padded_dim = g.padded_dim();
+    kept.max_len = max_len;
+  }
+  return *kept.scratch;
+}
 
 // Which of the kLanes positions from t0 lie inside a context of len tokens.
 inline auto in_context(int64_t t0, int64_t len) {
@@ -934,19 +957,18 @@ void attend_in_halves(const Bf16Phases& phases, const c10::BFloat16* q, const c1
   const int64_t n = static_cast<int64_t>(items.size()), num_q = g.num_heads, dim = g.head_dim, units = 2 * n;
   int64_t longest = 0;
   for (const DecodeItem& it : items) longest = std::max(longest, round_up(it.end - it.begin, kLanes));
-  // Item i's scores at [i][head][longest], its halves' maxima at [i][half][head], value sums [i][half][head][dim],
-  // exp sums [i][half][head].
-  std::vector<float> scores(n * num_q * longest), maxima(units * num_q), acc(units * num_q * dim), sums(units * num_q);
+  // Unit u's maxima at [u][head], value sums [u][head][dim], exp sums [u][head] (unit u: item u / 2's half u % 2).
+  std::vector<float> maxima(units * num_q), acc(units * num_q * dim), sums(units * num_q);
   struct Half {
     const DecodeItem& item;
     int64_t lo, hi, padded_len;
-    float* scores;  // the item's
+    float* scores;  // [head][padded_len], indexed by the item's tokens: the half's own columns are [lo, hi)
   };
-  const auto half = [&](int64_t u) {
+  // Unit u's half, its scores in the thread's own scratch (only the thread that reads a half's keys uses its scores).
+  const auto half = [&](int64_t u, float* scores) {
     const DecodeItem& it = items[u / 2];
     const int64_t mid = second_half(it.begin, it.end);
-    return Half{it, u % 2 ? mid : it.begin, u % 2 ? it.end : mid, round_up(it.end - it.begin, kLanes),
-                scores.data() + u / 2 * num_q * longest};
+    return Half{it, u % 2 ? mid : it.begin, u % 2 ? it.end : mid, round_up(it.end - it.begin, kLanes), scores};
   };
   // The item's maximum of each head, from its halves'.
   const auto item_max = [&](int64_t i, float* head_max) {
@@ -955,13 +977,17 @@ void attend_in_halves(const Bf16Phases& phases, const c10::BFloat16* q, const c1
   };
 #pragma omp parallel num_threads(static_cast<int>(shares.units.size()))
   {
-    DecodeScratch scratch(g, longest);
+    DecodeScratch& scratch = kept_decode_scratch(g, longest);
     // This thread's units: its own share, and those of any thread the runtime did not start.
     std::vector<int64_t> mine;
     for (size_t t = omp_get_thread_num(); t < shares.units.size(); t += omp_get_num_threads())
       mine.insert(mine.end(), shares.units[t].begin(), shares.units[t].end());
-    for (const int64_t u : mine) {
-      const Half x = half(u);
+    const int64_t unit_floats = num_q * longest;
+    if (scratch.unit_scores.size() < mine.size() * unit_floats) scratch.unit_scores.resize(mine.size() * unit_floats);
+    const auto my_half = [&](size_t k) { return half(mine[k], scratch.unit_scores.data() + k * unit_floats); };
+    for (size_t k = 0; k < mine.size(); ++k) {
+      const int64_t u = mine[k];
+      const Half x = my_half(k);
       const int64_t seq = x.item.seq, len = x.hi - x.lo;
       float* first = x.scores + (x.lo - x.item.begin);  // the column of the half's first token
       if (len > 0)
@@ -971,8 +997,9 @@ void attend_in_halves(const Bf16Phases& phases, const c10::BFloat16* q, const c1
         maxima[u * num_q + h] = len > 0 ? max_score(first + h * x.padded_len, len, round_up(len, kLanes)) : kMasked;
     }
 #pragma omp barrier
-    for (const int64_t u : mine) {
-      const Half x = half(u);
+    for (size_t k = 0; k < mine.size(); ++k) {
+      const int64_t u = mine[k];
+      const Half x = my_half(k);
       item_max(u / 2, scratch.head_max.data());
       phases.values(v_cache, block_tables + x.item.seq * g.max_blocks, x.item.begin, x.item.end, x.lo, x.hi, x.hi,
                     g, x.scores, scratch.head_max.data(), acc.data() + u * num_q * dim, sums.data() + u * num_q,
@@ -1134,7 +1161,8 @@ void decode_attention_impl(const T* q, const C* k_cache, const C* v_cache, const
 #endif
   const std::vector<ItemRun> runs = runs_sharing_blocks(items, block_tables, g);
   loom::for_each_item(
-      static_cast<int64_t>(runs.size()), [&] { return DecodeScratch(g, std::min(max_len, kChunkTokens)); },
+      static_cast<int64_t>(runs.size()),
+      [&]() -> DecodeScratch& { return kept_decode_scratch(g, std::min(max_len, kChunkTokens)); },
       [&](int64_t r, DecodeScratch& scratch) {
         for (int64_t i = runs[r].first; i < runs[r].end; ++i) {
           const DecodeItem& it = items[i];

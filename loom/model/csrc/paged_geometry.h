@@ -95,12 +95,13 @@ inline PagedGeometry check_paged_inputs(const char* kernel, const torch::Tensor&
 }
 
 // Runs work(i, scratch) for every i in [0, num_items) on up to torch's thread count, items handed out one at a time
-// (the kernels order them costliest first); each thread makes its own scratch once, with make_scratch().
+// (the kernels order them costliest first); each thread gets its scratch once, from make_scratch(): a new one, or a
+// reference to one it keeps between calls.
 template <typename MakeScratch, typename Work>
 void for_each_item(int64_t num_items, MakeScratch make_scratch, Work work) {
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items)))
   {
-    auto scratch = make_scratch();
+    decltype(auto) scratch = make_scratch();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; ++i) work(i, scratch);
   }
