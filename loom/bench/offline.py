@@ -61,7 +61,8 @@ def run_once(engine: LLMEngine, requests: list[BenchRequest], policy: str, max_n
         "steps": len(records),
         "ttft_p50_s": round(ttfts[len(ttfts) // 2], 3),
         "peak_kv_blocks_used": max((r.blocks_used for r in records), default=0),
-        "model_gflops": round(flops / seconds / 1e9, 1),
+        # Three decimals: a tiny test model's few MFLOP/s must not round to zero on a loaded machine.
+        "model_gflops": round(flops / seconds / 1e9, 3),
         # KV slots allocated but holding no token (the unfilled tail of each request's last block), over all steps.
         "kv_fragmentation": round(1 - sum(t for _, t in held) / max(1, sum(s for s, _ in held)), 4),
         "prefix_cache_hit_tokens": engine.scheduler.prefix_cache_hits,
