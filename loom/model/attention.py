@@ -150,7 +150,7 @@ class PagedKernelAttention(SdpaAttention):
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: BatchMetadata, scale: float
     ) -> torch.Tensor:
-        if q.device.type != "cpu":
+        if not q.is_cpu:
             return super().__call__(q, k, v, kv_cache, meta, scale)
         return self.kernel.attend_step(q, k, v, *kv_cache, meta.slot_mapping, meta.block_tables, meta.context_lens,
                                        meta.cu_seqlens_q, meta.num_decodes, scale)

@@ -62,19 +62,19 @@ class FusedLayerOps(TorchLayerOps):
     kernel: ModuleType
 
     def add_rms_norm(self, hidden, delta, weight, eps):
-        if hidden.device.type != "cpu":
+        if not hidden.is_cpu:
             return super().add_rms_norm(hidden, delta, weight, eps)
         # hidden is the forward's own residual stream (a fresh tensor from the embedding), updated in place.
         return hidden, self.kernel.add_rms_norm(hidden, delta, weight, eps)
 
     def rotate_qk(self, qkv, cos, sin, heads, head_dim):
-        if qkv.device.type != "cpu":
+        if not qkv.is_cpu:
             return super().rotate_qk(qkv, cos, sin, heads, head_dim)
         self.kernel.rotary_(qkv, cos, sin, heads, head_dim)
         return qkv
 
     def silu_mul(self, gate_up):
-        if gate_up.device.type != "cpu":
+        if not gate_up.is_cpu:
             return super().silu_mul(gate_up)
         return self.kernel.silu_mul(gate_up)
 

@@ -62,7 +62,7 @@ class TorchLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = self.cpu_slice_rows
-        if rows is None or x.device.type != "cpu" or self.out_features <= rows:
+        if rows is None or not x.is_cpu or self.out_features <= rows:
             return F.linear(x, self.weight, self.bias)
         weights = self.weight.split(rows)
         biases = self.bias.split(rows) if self.bias is not None else [None] * len(weights)

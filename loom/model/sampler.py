@@ -74,7 +74,7 @@ class Sampler:
 
     def greedy(self, logits: torch.Tensor) -> list[int]:
         """Each row's argmax (the first index of its maximum), as torch.argmax gives it."""
-        if self.argmax_kernel is not None and logits.device.type == "cpu":
+        if self.argmax_kernel is not None and logits.is_cpu:
             return self.argmax_kernel.argmax_rows(logits).tolist()
         return logits.argmax(dim=-1).tolist()
 
