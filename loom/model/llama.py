@@ -4,7 +4,8 @@ Weights arrive under Hugging Face names (and, from a GGUF file, those it stores 
 q/k/v and gate/up are fused at construction so each layer runs four matmuls, each a `Linear` from the matmul
 backend. The norms (each with the residual add before it), RoPE and
 SwiGLU's SiLU * up come from `ops` (torch's, or Loom's fused kernels); their numerics follow transformers' Llama
-(fp32 RMSNorm, rotate_half RoPE) so greedy outputs match.
+(fp32 RMSNorm, rotate_half RoPE) so greedy outputs match. Where every layer runs on Loom's AMX, layer-op and paged
+attention kernels, one C++ call runs the loop over the layers (layer_loop.py), with the same bits.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from loom.engine.batch import BatchMetadata
 from loom.model.attention import AttentionBackend, KVCache
 from loom.model.config import ModelConfig
+from loom.model.layer_loop import LayerLoop
 from loom.model.layer_ops import TorchLayerOps
 from loom.model.linear import Linear, MatmulBackend, SiluMulAfter, SiluMulLinear
 from loom.model.quantized import QuantizedWeight, concat_rows
@@ -98,6 +100,7 @@ class LlamaModel:
             )
         self.mlp_chunk_rows_per_thread = (MLP_CHUNK_ROWS_PER_THREAD if any(
             isinstance(layer.gate_up, SiluMulAfter) for layer in self.layers) else AMX_MLP_CHUNK_ROWS_PER_THREAD)
+        self.layer_loop = LayerLoop.for_layers(self.layers, config, ops)
         # RoPE table for every position, computed as transformers does (fp32 inv_freq x position).
         d = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
@@ -115,6 +118,9 @@ class LlamaModel:
         cos, sin = self.rope_cos[meta.positions], self.rope_sin[meta.positions]
         scale = cfg.head_dim**-0.5
         hidden, x = ops.add_rms_norm(self.embed[meta.input_ids], None, self.layers[0].input_norm, cfg.norm_eps)
+        if (self.layer_loop is not None and num_tokens <= self.mlp_chunk_rows_per_thread * torch.get_num_threads()
+                and self.layer_loop.runs(attention, hidden)):
+            return self.layer_loop(hidden, x, cos, sin, kv_caches, meta, scale)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             # q and k heads side by side, rotated together; then q, k, v as views (split_with_sizes: Tensor.split's
             # Python wrapper cost 12 us more a layer in a decode step).

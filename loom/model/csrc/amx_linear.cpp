@@ -591,6 +591,8 @@ torch::Tensor amx_quantized_linear(const torch::Tensor& x, const torch::Tensor& 
                      });
 }
 
+// Left out where layer_loop.cpp builds this file into its own module and calls its functions directly.
+#ifndef LOOM_LAYER_LOOP
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_available, "whether this process may run AMX tiles");
   m.def("amx_linear", &amx_linear, "bfloat16 x @ W^T (+ bias) on AMX, W packed in 16 x 32 tiles", py::arg("x"),
@@ -603,3 +605,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("records"), py::arg("format"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("gated") = false);
 }
+#endif

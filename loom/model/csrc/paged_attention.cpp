@@ -1249,6 +1249,8 @@ torch::Tensor attend_step(const torch::Tensor& q, const torch::Tensor& k, const 
   return out.view({q.size(0), q.size(1) * q.size(2)});
 }
 
+// Left out where layer_loop.cpp builds this file into its own module and calls its functions directly.
+#ifndef LOOM_LAYER_LOOP
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_step", &attend_step, "one layer's store + decode + prefill attention for a step");
   using pybind11::arg;
@@ -1262,3 +1264,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("first_seq"), arg("out"), arg("scale"), arg("k_scales") = pybind11::none(),
         arg("v_scales") = pybind11::none());
 }
+#endif
