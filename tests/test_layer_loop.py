@@ -54,11 +54,12 @@ def check_each_forward(model: LlamaModel) -> tuple[CountingLoop, list[int]]:
     return counting, steps
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_layer_loop_gives_the_python_loops_bits(smollm2, amx, kv_cache_dtype):
-    """SmolLM2's GGUF blocks in bfloat16 on AMX: prompt chunks beside decodes, decodes alone and prefix-cache hits,
-    with a bfloat16 and an int8 KV cache."""
-    config = EngineConfig(dtype="bfloat16", scheduler=SchedulerConfig(4, 48, "continuous", 32),
+@pytest.mark.parametrize("quantization, kv_cache_dtype", [("auto", "auto"), ("auto", "int8"), ("none", "auto")])
+def test_layer_loop_gives_the_python_loops_bits(smollm2, amx, quantization, kv_cache_dtype):
+    """SmolLM2 in bfloat16 on AMX, from its GGUF blocks or dense: prompt chunks beside decodes, decodes alone and
+    prefix-cache hits, with a bfloat16 and an int8 KV cache."""
+    config = EngineConfig(dtype="bfloat16", quantization=quantization,
+                          scheduler=SchedulerConfig(4, 48, "continuous", 32),
                           cache=CacheConfig(block_size=16, num_kv_blocks=96, kv_cache_dtype=kv_cache_dtype))
     engine = LLMEngine(config, smollm2)
     model = engine.runner.model
@@ -82,8 +83,9 @@ def test_layer_loop_leaves_larger_steps_to_python(smollm2, amx):
     assert steps == [1100, 1] and counting.runs == 1
 
 
-@pytest.mark.parametrize("options", [{"quantization": "none"}, {"layer_ops": "torch"}, {"dtype": "float32"}])
+@pytest.mark.parametrize("options", [{"matmul_backend": "packed", "quantization": "none"}, {"layer_ops": "torch"},
+                                     {"dtype": "float32"}])
 def test_layer_loop_only_where_its_kernels_run(smollm2, amx, options):
-    """Dense bfloat16 weights, torch's layer ops or float32: the Python loop."""
+    """Matmuls off AMX, torch's layer ops or float32: the Python loop."""
     llm = LLM(loaded=smollm2, **{"dtype": "bfloat16", "num_kv_blocks": 16, **options})
     assert llm.engine.runner.model.layer_loop is None

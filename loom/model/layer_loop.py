@@ -1,5 +1,5 @@
 """A Llama model's layers in one C++ call (csrc/layer_loop.cpp), where every layer runs on the kernels that call
-takes: the AMX matmul on GGUF records, the fused layer ops and the paged attention.
+takes: the AMX matmul (on GGUF records or bfloat16 tiles), the fused layer ops and the paged attention.
 
 Why: between two kernels of a decode step, Python and torch's entry into the next call run with cold caches (each
 layer streams ~2.2 MB of weights and its K/V through the 2 MiB L2), so the ten-odd calls a layer cost microseconds
@@ -18,12 +18,19 @@ import torch
 from loom.model.attention import AttentionBackend, KVCache, PagedKernelAttention
 from loom.model.kernels import load_layer_loop
 from loom.model.layer_ops import FusedLayerOps, TorchLayerOps
-from loom.model.linear import AmxQuantizedLinear, AmxQuantizedSiluMulLinear
+from loom.model.linear import AmxLinear, AmxQuantizedLinear, AmxQuantizedSiluMulLinear, AmxSiluMulLinear
 
 if TYPE_CHECKING:
     from loom.engine.batch import BatchMetadata
     from loom.model.config import ModelConfig
     from loom.model.llama import LlamaLayer
+
+
+def amx_weight(linear: AmxLinear | AmxQuantizedLinear) -> tuple[torch.Tensor, str]:
+    """A matmul's weight as the loop takes it: GGUF records and their format, or bfloat16 tiles and no format."""
+    if isinstance(linear, AmxQuantizedLinear):
+        return linear.records, linear.format
+    return linear.panels, ""
 
 
 @dataclass
@@ -35,11 +42,12 @@ class LayerLoop:
 
     @classmethod
     def for_layers(cls, layers: list[LlamaLayer], config: ModelConfig, ops: TorchLayerOps) -> LayerLoop | None:
-        """The loop where every layer's matmuls are GGUF records on AMX (biases on q/k/v only) and the layer ops are
-        the fused kernels, and the loop's kernel builds here; else None (the forward loops in Python)."""
+        """The loop where every layer's matmuls run on AMX (biases on q/k/v only) and the layer ops are the fused
+        kernels, and the loop's kernel builds here; else None (the forward loops in Python)."""
+        amx = (AmxLinear, AmxQuantizedLinear)
         if not isinstance(ops, FusedLayerOps) or not all(
-                isinstance(layer.qkv, AmxQuantizedLinear) and isinstance(layer.o, AmxQuantizedLinear)
-                and isinstance(layer.gate_up, AmxQuantizedSiluMulLinear) and isinstance(layer.down, AmxQuantizedLinear)
+                isinstance(layer.qkv, amx) and isinstance(layer.o, amx) and isinstance(layer.down, amx)
+                and isinstance(layer.gate_up, (AmxSiluMulLinear, AmxQuantizedSiluMulLinear))
                 and layer.o.bias is None and layer.gate_up.product.bias is None and layer.down.bias is None
                 for layer in layers):
             return None
@@ -48,10 +56,10 @@ class LayerLoop:
             return None
         loop = kernel.LayerLoop(config.num_heads, config.num_kv_heads, config.head_dim, config.norm_eps)
         for layer in layers:
-            qkv, o, gate_up, down = layer.qkv, layer.o, layer.gate_up.product, layer.down
-            loop.add_layer(layer.input_norm, qkv.records, qkv.format, qkv.out_features, qkv.bias, o.records, o.format,
-                           o.out_features, layer.post_norm, gate_up.records, gate_up.format, gate_up.out_features,
-                           down.records, down.format, down.out_features)
+            loop.add_layer(layer.input_norm, *amx_weight(layer.qkv), layer.qkv.out_features, layer.qkv.bias,
+                           *amx_weight(layer.o), layer.o.out_features, layer.post_norm,
+                           *amx_weight(layer.gate_up.product), layer.gate_up.product.out_features,
+                           *amx_weight(layer.down), layer.down.out_features)
         return cls(loop)
 
     @staticmethod

@@ -1,6 +1,6 @@
 // A Llama model's layers in one call from Python: the forward's loop over its layers, calling Loom's kernels
-// directly (the AMX matmul on GGUF records, the fused layer ops, the paged attention), in the order and with the
-// arguments that LlamaModel.forward gives them, so the same bits.
+// directly (the AMX matmul, on GGUF records or packed bfloat16 tiles; the fused layer ops; the paged attention), in
+// the order and with the arguments that LlamaModel.forward gives them, so the same bits.
 //
 // Why: between two kernels of a decode step, Python and torch's entry into the next call run with cold caches (a
 // layer streams ~2.2 MB of weights and its K/V through the 2 MiB L2), and each call costs microseconds that a warm
@@ -15,6 +15,10 @@
 #include <vector>
 
 // Defined in amx_linear.cpp, layer_ops.cpp and paged_attention.cpp.
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& tiles, int64_t out_features,
+                         const std::optional<torch::Tensor>& bias);
+torch::Tensor amx_silu_mul_linear(const torch::Tensor& x, const torch::Tensor& tiles, int64_t out_features,
+                                  const std::optional<torch::Tensor>& bias);
 torch::Tensor amx_quantized_linear(const torch::Tensor& x, const torch::Tensor& records, const std::string& format,
                                    int64_t out_features, const std::optional<torch::Tensor>& bias, bool gated);
 torch::Tensor add_rms_norm(torch::Tensor& hidden, const std::optional<torch::Tensor>& delta,
@@ -28,19 +32,21 @@ torch::Tensor attend_step(const torch::Tensor& q, const torch::Tensor& k, const 
 
 namespace {
 
-// One matmul in GGUF records on AMX (loom.model.linear.AmxQuantizedLinear's fields).
-struct RecordsLinear {
-  torch::Tensor records;
+// One matmul on AMX: GGUF records in `format` (loom.model.linear.AmxQuantizedLinear's fields), or, where the
+// format is empty, bfloat16 tiles (AmxLinear's panels). Gated: SiLU(gate) * up as the product's epilogue.
+struct AmxMatmul {
+  torch::Tensor weight;
   std::string format;
   int64_t out_features;
   std::optional<torch::Tensor> bias;
   torch::Tensor operator()(const torch::Tensor& x, bool gated = false) const {
-    return amx_quantized_linear(x, records, format, out_features, bias, gated);
+    if (!format.empty()) return amx_quantized_linear(x, weight, format, out_features, bias, gated);
+    return gated ? amx_silu_mul_linear(x, weight, out_features, bias) : amx_linear(x, weight, out_features, bias);
   }
 };
 
 struct Layer {
-  RecordsLinear qkv, o, gate_up, down;  // gate_up: gate and up interleaved, SiLU(gate) * up as its epilogue
+  AmxMatmul qkv, o, gate_up, down;  // gate_up: gate and up interleaved, SiLU(gate) * up as its epilogue
   torch::Tensor input_norm, post_norm;
 };
 
