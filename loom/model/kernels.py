@@ -126,8 +126,8 @@ def load_amx_linear(verbose: bool = False) -> ModuleType | None:
 
 
 def load_layer_loop(verbose: bool = False) -> ModuleType | None:
-    """The compiled `LayerLoop` module (a Llama model's layers in one call, on the AMX matmul's GGUF path), built
-    with the sources of the kernels it calls; None where the AMX linear kernel is not available."""
+    """The compiled `LayerLoop` module (a Llama model's layers in one call, on the AMX matmul), built with the
+    sources of the kernels it calls; None where the AMX linear kernel is not available."""
     if load_amx_linear(verbose) is None:
         return None
     return _load("loom_layer_loop", ["layer_loop.cpp", "amx_linear.cpp", "layer_ops.cpp", "paged_attention.cpp",

@@ -118,7 +118,7 @@ class LlamaModel:
         cos, sin = self.rope_cos[meta.positions], self.rope_sin[meta.positions]
         scale = cfg.head_dim**-0.5
         hidden, x = ops.add_rms_norm(self.embed[meta.input_ids], None, self.layers[0].input_norm, cfg.norm_eps)
-        if (self.layer_loop is not None and num_tokens <= self.mlp_chunk_rows_per_thread * torch.get_num_threads()
+        if (self.layer_loop is not None and num_tokens <= self.mlp_chunk_rows()
                 and self.layer_loop.runs(attention, hidden)):
             return self.layer_loop(hidden, x, cos, sin, kv_caches, meta, scale)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -135,9 +135,13 @@ class LlamaModel:
                 hidden = hidden + delta
         return hidden
 
+    def mlp_chunk_rows(self) -> int:
+        """Rows of one MLP chunk: mlp_chunk_rows_per_thread on each of torch's threads."""
+        return self.mlp_chunk_rows_per_thread * torch.get_num_threads()
+
     def mlp(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU's down(SiLU(gate) * up) of x [T, hidden], in chunks of mlp_chunk_rows_per_thread rows a thread."""
-        chunk_rows = self.mlp_chunk_rows_per_thread * torch.get_num_threads()
+        chunk_rows = self.mlp_chunk_rows()
         if x.shape[0] <= chunk_rows:  # one chunk: no split, no copy (each op a layer costs µs in a decode step)
             return layer.down(layer.gate_up(x))
         return torch.cat([layer.down(layer.gate_up(rows)) for rows in x.split(chunk_rows)])
