@@ -1,5 +1,5 @@
 """The C++ loop over a Llama model's layers (loom/model/layer_loop.py): the bits of the Python loop, at every step of
-a mixed workload, and only where its kernels are the model's."""
+a mixed workload, on each of Loom's matmul kernels, and only where its kernels are the model's."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from conftest import greedy, torch_threads
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.engine.engine import LLMEngine
 from loom.engine.llm import LLM
-from loom.model.linear import make_matmul
+from loom.model.linear import PackedLinear, QuantizedLinear, SiluMulAfter, make_matmul
 from loom.model.llama import LlamaModel
 
 
@@ -26,8 +26,8 @@ class CountingLoop:
     def __init__(self, inner) -> None:
         self.inner, self.runs = inner, 0
 
-    def bind_caches(self, *caches) -> None:
-        self.inner.bind_caches(*caches)
+    def bind(self, *caches_and_attention) -> None:
+        self.inner.bind(*caches_and_attention)
 
     def run(self, *args) -> torch.Tensor:
         self.runs += 1
@@ -54,10 +54,18 @@ def check_each_forward(model: LlamaModel) -> tuple[CountingLoop, list[int]]:
     return counting, steps
 
 
+def run_mixed_workload(engine: LLMEngine) -> None:
+    """Prompt chunks beside decodes, decodes alone and prefix-cache hits."""
+    shared = list(range(1000, 1040))  # two whole blocks that later prompts find in the prefix cache
+    prompts = [shared + [7, 8, 9], list(range(200, 290)), shared + [11, 12], [5, 6, 7, 8]]
+    ids = [engine.add_request(p, greedy(12)) for p in prompts]
+    finished = engine.run_to_completion()
+    assert all(len(finished[i].token_ids) == 12 for i in ids)
+
+
 @pytest.mark.parametrize("quantization, kv_cache_dtype", [("auto", "auto"), ("auto", "int8"), ("none", "auto")])
 def test_layer_loop_gives_the_python_loops_bits(smollm2, amx, quantization, kv_cache_dtype):
-    """SmolLM2 in bfloat16 on AMX, from its GGUF blocks or dense: prompt chunks beside decodes, decodes alone and
-    prefix-cache hits, with a bfloat16 and an int8 KV cache."""
+    """SmolLM2 in bfloat16 on AMX, from its GGUF blocks or dense, with a bfloat16 and an int8 KV cache."""
     config = EngineConfig(dtype="bfloat16", quantization=quantization,
                           scheduler=SchedulerConfig(4, 48, "continuous", 32),
                           cache=CacheConfig(block_size=16, num_kv_blocks=96, kv_cache_dtype=kv_cache_dtype))
@@ -65,12 +73,26 @@ def test_layer_loop_gives_the_python_loops_bits(smollm2, amx, quantization, kv_c
     model = engine.runner.model
     assert model.layer_loop is not None
     counting, steps = check_each_forward(model)
-    shared = list(range(1000, 1040))  # two whole blocks that later prompts find in the prefix cache
-    prompts = [shared + [7, 8, 9], list(range(200, 290)), shared + [11, 12], [5, 6, 7, 8]]
-    ids = [engine.add_request(p, greedy(12)) for p in prompts]
-    finished = engine.run_to_completion()
-    assert all(len(finished[i].token_ids) == 12 for i in ids)
-    assert counting.runs == len(steps) and max(steps) > len(prompts) and min(steps) <= len(prompts)
+    run_mixed_workload(engine)
+    assert counting.runs == len(steps) and max(steps) > 4 and min(steps) <= 4
+
+
+@pytest.mark.parametrize("dtype, quantization, matmul", [
+    ("bfloat16", "auto", QuantizedLinear), ("bfloat16", "none", PackedLinear), ("float32", "auto", QuantizedLinear),
+    ("float32", "none", PackedLinear)])
+def test_layer_loop_on_the_other_matmuls(smollm2, dtype, quantization, matmul):
+    """The packed and the quantized kernels (CPUs without AMX, and float32), SwiGLU's silu_mul after the product:
+    the Python loop's bits, and the loop ran at every step."""
+    config = EngineConfig(dtype=dtype, quantization=quantization, matmul_backend="packed",
+                          scheduler=SchedulerConfig(4, 48, "continuous", 32),
+                          cache=CacheConfig(block_size=16, num_kv_blocks=96))
+    engine = LLMEngine(config, smollm2)
+    model = engine.runner.model
+    assert type(model.layers[0].qkv) is matmul and isinstance(model.layers[0].gate_up, SiluMulAfter)
+    assert model.layer_loop is not None
+    counting, steps = check_each_forward(model)
+    run_mixed_workload(engine)
+    assert counting.runs == len(steps) > 0
 
 
 def test_layer_loop_leaves_larger_steps_to_python(smollm2, amx):
@@ -83,9 +105,8 @@ def test_layer_loop_leaves_larger_steps_to_python(smollm2, amx):
     assert steps == [1100, 1] and counting.runs == 1
 
 
-@pytest.mark.parametrize("options", [{"matmul_backend": "packed", "quantization": "none"}, {"layer_ops": "torch"},
-                                     {"dtype": "float32"}])
-def test_layer_loop_only_where_its_kernels_run(smollm2, amx, options):
-    """Matmuls off AMX, torch's layer ops or float32: the Python loop."""
+@pytest.mark.parametrize("options", [{"matmul_backend": "torch", "quantization": "none"}, {"layer_ops": "torch"}])
+def test_layer_loop_only_where_its_kernels_run(smollm2, options):
+    """torch's matmuls or torch's layer ops: the Python loop."""
     llm = LLM(loaded=smollm2, **{"dtype": "bfloat16", "num_kv_blocks": 16, **options})
     assert llm.engine.runner.model.layer_loop is None

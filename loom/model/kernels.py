@@ -58,9 +58,8 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
         yield
 
 
-def _load(name: str, sources: list[str], verbose: bool, defines: tuple[str, ...] = ()) -> ModuleType | None:
-    """Compile csrc/`sources` as module `name` (or find it built), with the given -D `defines`, or None with a
-    warning if it cannot be built."""
+def _load(name: str, sources: list[str], verbose: bool) -> ModuleType | None:
+    """Compile csrc/`sources` as module `name` (or find it built), or None with a warning if it cannot be built."""
     from torch.utils import cpp_extension
 
     build_dir = _build_dir() / name
@@ -70,7 +69,7 @@ def _load(name: str, sources: list[str], verbose: bool, defines: tuple[str, ...]
             return cpp_extension.load(
                 name=name,
                 sources=[str(_SOURCES / source) for source in sources],
-                extra_cflags=_FLAGS + [f"-D{d}" for d in defines],
+                extra_cflags=_FLAGS,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
                 verbose=verbose,
@@ -126,13 +125,9 @@ def load_amx_linear(verbose: bool = False) -> ModuleType | None:
 
 
 def load_layer_loop(verbose: bool = False) -> ModuleType | None:
-    """The compiled `LayerLoop` module (a Llama model's layers in one call, on the AMX matmul), built with the
-    sources of the kernels it calls; None where the AMX linear kernel is not available."""
-    if load_amx_linear(verbose) is None:
-        return None
-    return _load("loom_layer_loop", ["layer_loop.cpp", "amx_linear.cpp", "layer_ops.cpp", "paged_attention.cpp",
-                                     "prefill_attention.cpp", "prefill_attention_amx.cpp", "write_kv.cpp"],
-                 verbose, defines=("LOOM_LAYER_LOOP",))
+    """The compiled `LayerLoop` module (a Llama model's layers in one call, calling the other kernels' modules through
+    the entry points they export), or None if it cannot be built here."""
+    return _load("loom_layer_loop", ["layer_loop.cpp"], verbose)
 
 
 def load_layer_ops(verbose: bool = False) -> ModuleType | None:

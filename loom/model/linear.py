@@ -26,6 +26,9 @@ AMX_CHUNK = 32  # k values in one row of an AMX weight tile (64 bytes of bfloat1
 # bfloat16 panels keep each panel's columns in this order; the kernel widens them to float32 in registers and this
 # order puts columns 0-7 and 8-15 in its two registers (see csrc/packed_linear.cpp).
 BF16_PANEL_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
+# A kernel matmul as the C++ layer loop takes it: (the kernel's entry point, a capsule of csrc/entry_points.h's Matmul;
+# the weight as packed; its GGUF record format or ""; out_features; the padded float32 bias or None).
+LoopOperands = tuple[object, torch.Tensor, str, int, torch.Tensor | None]
 
 
 class Linear(Protocol):
@@ -110,6 +113,10 @@ class PackedLinear:
         """x [rows, in_features] -> [rows, out_features]."""
         return self.kernel.packed_linear(x, self.panels, self.out_features, self.bias)
 
+    def loop_operands(self) -> LoopOperands:
+        """What the C++ layer loop (layer_loop.py) calls this matmul with: the kernel's entry point, as `multiply`."""
+        return self.kernel.packed_linear_entry, self.panels, "", self.out_features, self.bias
+
     @classmethod
     def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernel: ModuleType) -> PackedLinear:
         padded_bias = None if bias is None else pad_to_panels(bias)
@@ -145,6 +152,9 @@ class AmxLinear(PackedLinear):
     def multiply(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel.amx_linear(x, self.panels, self.out_features, self.bias)
 
+    def loop_operands(self) -> LoopOperands:
+        return self.kernel.amx_linear_entry, self.panels, "", self.out_features, self.bias
+
 
 def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up [I, ...] (I a multiple of 8) -> [2I, ...]: rows in groups of 8, gate's then up's, so each 16-column
@@ -174,6 +184,10 @@ class AmxSiluMulLinear:
         """x [rows, in_features] -> [rows, I]."""
         lin = self.product
         return lin.kernel.amx_silu_mul_linear(x, lin.panels, lin.out_features, lin.bias)
+
+    def loop_operands(self) -> LoopOperands:
+        lin = self.product
+        return lin.kernel.amx_silu_mul_linear_entry, lin.panels, "", lin.out_features, lin.bias
 
 
 @dataclass
@@ -211,6 +225,10 @@ class QuantizedLinear:
         """x [rows, in_features] -> [rows, out_features]."""
         return self.kernel.quantized_linear(x, self.records, self.format, self.out_features, self.bias)
 
+    def loop_operands(self) -> LoopOperands:
+        """What the C++ layer loop (layer_loop.py) calls this matmul with: the kernel's entry point, as `multiply`."""
+        return self.kernel.quantized_linear_entry, self.records, self.format, self.out_features, self.bias
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
             return self.multiply(x)
@@ -228,6 +246,9 @@ class AmxQuantizedLinear(QuantizedLinear):
 
     def multiply(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel.amx_quantized_linear(x, self.records, self.format, self.out_features, self.bias)
+
+    def loop_operands(self) -> LoopOperands:
+        return self.kernel.amx_quantized_linear_entry, self.records, self.format, self.out_features, self.bias
 
 
 @dataclass
@@ -249,6 +270,10 @@ class AmxQuantizedSiluMulLinear:
         """x [rows, in_features] -> [rows, I]."""
         lin = self.product
         return lin.kernel.amx_quantized_linear(x, lin.records, lin.format, lin.out_features, lin.bias, True)
+
+    def loop_operands(self) -> LoopOperands:
+        lin = self.product
+        return lin.kernel.amx_quantized_silu_mul_linear_entry, lin.records, lin.format, lin.out_features, lin.bias
 
 
 @dataclass

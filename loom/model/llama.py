@@ -120,7 +120,7 @@ class LlamaModel:
         hidden, x = ops.add_rms_norm(self.embed[meta.input_ids], None, self.layers[0].input_norm, cfg.norm_eps)
         if (self.layer_loop is not None and num_tokens <= self.mlp_chunk_rows()
                 and self.layer_loop.runs(attention, hidden)):
-            return self.layer_loop(hidden, x, cos, sin, kv_caches, meta, scale)
+            return self.layer_loop(hidden, x, cos, sin, kv_caches, attention, meta, scale)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             # q and k heads side by side, rotated together; then q, k, v as views (split_with_sizes: Tensor.split's
             # Python wrapper cost 12 us more a layer in a decode step).

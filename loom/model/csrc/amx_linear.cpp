@@ -30,6 +30,7 @@
 #include "amx_dequantize.h"
 #include "amx_tiles.h"
 #include "bfloat16.h"
+#include "entry_points.h"
 #include "silu.h"
 #include "vec.h"
 
@@ -591,8 +592,6 @@ torch::Tensor amx_quantized_linear(const torch::Tensor& x, const torch::Tensor& 
                      });
 }
 
-// Left out where layer_loop.cpp builds this file into its own module and calls its functions directly.
-#ifndef LOOM_LAYER_LOOP
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_available, "whether this process may run AMX tiles");
   m.def("amx_linear", &amx_linear, "bfloat16 x @ W^T (+ bias) on AMX, W packed in 16 x 32 tiles", py::arg("x"),
@@ -604,5 +603,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "amx_linear (gated: amx_silu_mul_linear) with W in GGUF Q4_1 or Q8_0 records, dequantized as it goes",
         py::arg("x"), py::arg("records"), py::arg("format"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("gated") = false);
+  // For the layer loop (entry_points.h): each matmul with the one signature it calls them by.
+  using loom::entry::export_entry;
+  using loom::entry::Matmul;
+  using Bias = std::optional<torch::Tensor>;
+  m.attr("amx_linear_entry") = export_entry<Matmul>(
+      +[](const torch::Tensor& x, const torch::Tensor& w, const std::string&, int64_t out, const Bias& bias) {
+        return amx_linear(x, w, out, bias);
+      });
+  m.attr("amx_silu_mul_linear_entry") = export_entry<Matmul>(
+      +[](const torch::Tensor& x, const torch::Tensor& w, const std::string&, int64_t out, const Bias& bias) {
+        return amx_silu_mul_linear(x, w, out, bias);
+      });
+  m.attr("amx_quantized_linear_entry") = export_entry<Matmul>(
+      +[](const torch::Tensor& x, const torch::Tensor& w, const std::string& format, int64_t out, const Bias& bias) {
+        return amx_quantized_linear(x, w, format, out, bias, false);
+      });
+  m.attr("amx_quantized_silu_mul_linear_entry") = export_entry<Matmul>(
+      +[](const torch::Tensor& x, const torch::Tensor& w, const std::string& format, int64_t out, const Bias& bias) {
+        return amx_quantized_linear(x, w, format, out, bias, true);
+      });
 }
-#endif

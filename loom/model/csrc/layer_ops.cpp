@@ -9,6 +9,7 @@
 #endif
 
 #include "bfloat16.h"
+#include "entry_points.h"
 #include "silu.h"
 #include "vec.h"
 
@@ -270,11 +271,11 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
-// Left out where layer_loop.cpp builds this file into its own module and calls its functions directly.
-#ifndef LOOM_LAYER_LOOP
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "hidden += delta (in place, if given); returns RMSNorm(hidden) * weight");
   m.def("rotary_", &rotary_, "RoPE on the first heads of each row, in place");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
+  m.attr("add_rms_norm_entry") = loom::entry::export_entry<loom::entry::AddRmsNorm>(&add_rms_norm);
+  m.attr("rotary_entry") = loom::entry::export_entry<loom::entry::Rotary>(&rotary_);
+  m.attr("silu_mul_entry") = loom::entry::export_entry<loom::entry::SiluMul>(&silu_mul);
 }
-#endif

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "entry_points.h"
 #include "packed_tile.h"
 
 #include <algorithm>
@@ -86,4 +87,7 @@ torch::Tensor packed_linear(const torch::Tensor& x_in, const torch::Tensor& pane
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) with W packed in 16-column panels (CPU, AVX2)",
         py::arg("x"), py::arg("panels"), py::arg("out_features"), py::arg("bias") = py::none());
+  m.attr("packed_linear_entry") = loom::entry::export_entry<loom::entry::Matmul>(
+      +[](const torch::Tensor& x, const torch::Tensor& w, const std::string&, int64_t out,
+          const std::optional<torch::Tensor>& bias) { return packed_linear(x, w, out, bias); });
 }

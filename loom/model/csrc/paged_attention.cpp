@@ -17,6 +17,7 @@
 #include <omp.h>
 
 #include "bfloat16.h"
+#include "entry_points.h"
 #include "int8_kv.h"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "amx_tiles.h"
@@ -1249,8 +1250,6 @@ torch::Tensor attend_step(const torch::Tensor& q, const torch::Tensor& k, const 
   return out.view({q.size(0), q.size(1) * q.size(2)});
 }
 
-// Left out where layer_loop.cpp builds this file into its own module and calls its functions directly.
-#ifndef LOOM_LAYER_LOOP
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_step", &attend_step, "one layer's store + decode + prefill attention for a step");
   using pybind11::arg;
@@ -1263,5 +1262,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("k_cache"), arg("v_cache"), arg("block_tables"), arg("context_lens"), arg("query_starts"),
         arg("first_seq"), arg("out"), arg("scale"), arg("k_scales") = pybind11::none(),
         arg("v_scales") = pybind11::none());
+  m.attr("attend_step_entry") = loom::entry::export_entry<loom::entry::AttendStep>(&attend_step);
 }
-#endif

@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "entry_points.h"
 #include "gguf_records.h"
 #include "packed_tile.h"
 
@@ -228,4 +229,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantized_linear", &quantized_linear,
         "x @ W^T (+ bias) with W in GGUF Q4_1 or Q8_0 blocks (Q4_0 as Q4_1), packed in 16-column panels (CPU, AVX2)",
         py::arg("x"), py::arg("records"), py::arg("format"), py::arg("out_features"), py::arg("bias") = py::none());
+  m.attr("quantized_linear_entry") = loom::entry::export_entry<loom::entry::Matmul>(&quantized_linear);
 }
