@@ -49,8 +49,8 @@ class LayerLoop:
     """The C++ loop over a model's layers, with the KV caches and attention kernel it was last given."""
 
     loop: object  # the kernel's LayerLoop
-    bound: tuple[list[KVCache], ModuleType] | None = None  # the caches' list (the runner passes the same list each
-    # step) and the attention kernel bound to it
+    # The caches' list (the runner passes the same list each step) and the attention kernel bound to the loop.
+    bound: tuple[list[KVCache], ModuleType] | None = None
 
     @classmethod
     def for_layers(cls, layers: list[LlamaLayer], config: ModelConfig, ops: TorchLayerOps) -> LayerLoop | None:

@@ -4,8 +4,8 @@ Weights arrive under Hugging Face names (and, from a GGUF file, those it stores 
 q/k/v and gate/up are fused at construction so each layer runs four matmuls, each a `Linear` from the matmul
 backend. The norms (each with the residual add before it), RoPE and
 SwiGLU's SiLU * up come from `ops` (torch's, or Loom's fused kernels); their numerics follow transformers' Llama
-(fp32 RMSNorm, rotate_half RoPE) so greedy outputs match. Where every layer runs on Loom's AMX, layer-op and paged
-attention kernels, one C++ call runs the loop over the layers (layer_loop.py), with the same bits.
+(fp32 RMSNorm, rotate_half RoPE) so greedy outputs match. Where every layer runs on Loom's matmul, layer-op and
+paged attention kernels, one C++ call runs the loop over the layers (layer_loop.py), with the same bits.
 """
 
 from __future__ import annotations
