@@ -10,6 +10,7 @@ from conftest import greedy, torch_threads
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.engine.engine import LLMEngine
 from loom.engine.llm import LLM
+from loom.model.kernels import load_layer_loop, load_layer_ops
 from loom.model.linear import PackedLinear, QuantizedLinear, SiluMulAfter, make_matmul
 from loom.model.llama import LlamaModel
 
@@ -110,3 +111,16 @@ def test_layer_loop_only_where_its_kernels_run(smollm2, options):
     """torch's matmuls or torch's layer ops: the Python loop."""
     llm = LLM(loaded=smollm2, **{"dtype": "bfloat16", "num_kv_blocks": 16, **options})
     assert llm.engine.runner.model.layer_loop is None
+
+
+def test_layer_loop_takes_entry_points_by_signature():
+    """A kernel entry point of another signature, or any other object, is refused with a TypeError, not called."""
+    loop_kernel, ops_kernel = load_layer_loop(), load_layer_ops()
+    if loop_kernel is None or ops_kernel is None:
+        pytest.skip("the layer loop's or the layer ops' kernel does not build here")
+    entries = (ops_kernel.add_rms_norm_entry, ops_kernel.rotary_entry, ops_kernel.silu_mul_entry)
+    loop_kernel.LayerLoop(9, 3, 64, 1e-5, *entries)
+    for wrong in [(ops_kernel.rotary_entry, *entries[1:]), (entries[0], entries[1], ops_kernel.add_rms_norm_entry),
+                  (entries[0], "rotary_", entries[2])]:
+        with pytest.raises(TypeError, match="entry point"):
+            loop_kernel.LayerLoop(9, 3, 64, 1e-5, *wrong)
