@@ -55,26 +55,27 @@ def check_each_forward(model: LlamaModel) -> tuple[CountingLoop, list[int]]:
     return counting, steps
 
 
-def run_mixed_workload(engine: LLMEngine) -> None:
-    """Prompt chunks beside decodes, decodes alone and prefix-cache hits."""
+def run_both_ways(loaded, kv_cache_dtype: str = "auto", **options) -> tuple[LlamaModel, CountingLoop, list[int]]:
+    """An engine of `options` (EngineConfig's) runs prompt chunks beside decodes, decodes alone and prefix-cache hits,
+    each forward both ways (check_each_forward); returns its model, the loop's counter and each step's token count."""
+    config = EngineConfig(**options, scheduler=SchedulerConfig(4, 48, "continuous", 32),
+                          cache=CacheConfig(block_size=16, num_kv_blocks=96, kv_cache_dtype=kv_cache_dtype))
+    engine = LLMEngine(config, loaded)
+    model = engine.runner.model
+    assert model.layer_loop is not None
+    counting, steps = check_each_forward(model)
     shared = list(range(1000, 1040))  # two whole blocks that later prompts find in the prefix cache
     prompts = [shared + [7, 8, 9], list(range(200, 290)), shared + [11, 12], [5, 6, 7, 8]]
     ids = [engine.add_request(p, greedy(12)) for p in prompts]
     finished = engine.run_to_completion()
     assert all(len(finished[i].token_ids) == 12 for i in ids)
+    return model, counting, steps
 
 
 @pytest.mark.parametrize("quantization, kv_cache_dtype", [("auto", "auto"), ("auto", "int8"), ("none", "auto")])
 def test_layer_loop_gives_the_python_loops_bits(smollm2, amx, quantization, kv_cache_dtype):
     """SmolLM2 in bfloat16 on AMX, from its GGUF blocks or dense, with a bfloat16 and an int8 KV cache."""
-    config = EngineConfig(dtype="bfloat16", quantization=quantization,
-                          scheduler=SchedulerConfig(4, 48, "continuous", 32),
-                          cache=CacheConfig(block_size=16, num_kv_blocks=96, kv_cache_dtype=kv_cache_dtype))
-    engine = LLMEngine(config, smollm2)
-    model = engine.runner.model
-    assert model.layer_loop is not None
-    counting, steps = check_each_forward(model)
-    run_mixed_workload(engine)
+    _, counting, steps = run_both_ways(smollm2, kv_cache_dtype, dtype="bfloat16", quantization=quantization)
     assert counting.runs == len(steps) and max(steps) > 4 and min(steps) <= 4
 
 
@@ -84,15 +85,8 @@ def test_layer_loop_gives_the_python_loops_bits(smollm2, amx, quantization, kv_c
 def test_layer_loop_on_the_other_matmuls(smollm2, dtype, quantization, matmul):
     """The packed and the quantized kernels (CPUs without AMX, and float32), SwiGLU's silu_mul after the product:
     the Python loop's bits, and the loop ran at every step."""
-    config = EngineConfig(dtype=dtype, quantization=quantization, matmul_backend="packed",
-                          scheduler=SchedulerConfig(4, 48, "continuous", 32),
-                          cache=CacheConfig(block_size=16, num_kv_blocks=96))
-    engine = LLMEngine(config, smollm2)
-    model = engine.runner.model
+    model, counting, steps = run_both_ways(smollm2, dtype=dtype, quantization=quantization, matmul_backend="packed")
     assert type(model.layers[0].qkv) is matmul and isinstance(model.layers[0].gate_up, SiluMulAfter)
-    assert model.layer_loop is not None
-    counting, steps = check_each_forward(model)
-    run_mixed_workload(engine)
     assert counting.runs == len(steps) > 0
 
 
