@@ -115,9 +115,12 @@ class LlamaModel:
         ops = self.ops
         num_tokens = meta.num_tokens
         heads = [cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads]  # q, k, v heads side by side in qkv's rows
-        cos, sin = self.rope_cos[meta.positions], self.rope_sin[meta.positions]
+        # Rows gathered by index_select, which copies whole rows: indexing (self.embed[ids]) copies element by element,
+        # 428 -> 161 us for 2048 embedding rows here, 11.3 -> 4.4 us for 64 (cos and sin 54 -> 7 us at 2048).
+        cos, sin = self.rope_cos.index_select(0, meta.positions), self.rope_sin.index_select(0, meta.positions)
         scale = cfg.head_dim**-0.5
-        hidden, x = ops.add_rms_norm(self.embed[meta.input_ids], None, self.layers[0].input_norm, cfg.norm_eps)
+        embedded = self.embed.index_select(0, meta.input_ids)
+        hidden, x = ops.add_rms_norm(embedded, None, self.layers[0].input_norm, cfg.norm_eps)
         if (self.layer_loop is not None and num_tokens <= self.mlp_chunk_rows()
                 and self.layer_loop.runs(attention, hidden)):
             return self.layer_loop(hidden, x, cos, sin, kv_caches, attention, meta, scale)
