@@ -65,7 +65,8 @@ class GPT2Model:
     def forward(self, meta: BatchMetadata, kv_caches: list[KVCache], attention: AttentionBackend) -> torch.Tensor:
         cfg = self.config
         num_tokens, hidden_size, heads, d = meta.num_tokens, cfg.hidden_size, cfg.num_heads, cfg.head_dim
-        hidden = self.wte[meta.input_ids] + self.wpe[meta.positions]
+        # index_select copies whole rows (indexing copies element by element; see llama.py).
+        hidden = self.wte.index_select(0, meta.input_ids) + self.wpe.index_select(0, meta.positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = F.layer_norm(hidden, (hidden_size,), layer.ln1_weight, layer.ln1_bias, cfg.norm_eps)
             q, k, v = layer.qkv(x).split(hidden_size, dim=-1)
