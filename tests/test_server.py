@@ -89,6 +89,21 @@ def test_completions_plain_and_streaming_match_offline(server, tiny_llama):
     assert echo.choices[0].text.startswith(prompt)
 
 
+def test_streamed_events_stay_one_line_for_clients_that_split_on_unicode_line_breaks(server):
+    """JSON leaves U+0085, U+2028 and U+2029 raw, and str.splitlines (httpx's iter_lines) breaks lines on them: an
+    event whose text held one arrived in pieces that did not parse. The echoed prompt carries all three."""
+    base, _ = server
+    prompt = "one\x85two\u2028three\u2029four"
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        lines = [line for line in resp.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    events = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert events[0]["choices"][0]["text"] == prompt
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
 def test_stop_n_seed_and_logprobs(server, tiny_llama):
     base, _ = server
     client = _client(base)

@@ -37,6 +37,10 @@ from loom.tokenizer import Tokenizer
 
 log = logging.getLogger("loom.server")
 
+# Characters that JSON leaves raw (ensure_ascii=False) but that str.splitlines, and so httpx's iter_lines, takes for
+# line breaks: a streamed event whose text held one reached such clients in pieces. Escaped, each event stays one line.
+UNICODE_LINE_BREAK_ESCAPES = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -274,7 +278,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 "total_tokens": prompt_tokens + completion_tokens}
 
     def sse(payload: dict) -> str:
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        return f"data: {json.dumps(payload, ensure_ascii=False).translate(UNICODE_LINE_BREAK_ESCAPES)}\n\n"
 
     # --- routes -------------------------------------------------------------------------------------------------
 
