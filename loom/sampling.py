@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value, either sign
 
 
 @dataclass
@@ -17,7 +18,8 @@ class SamplingParams:
 
     temperature 0 means greedy. Penalties follow the usual conventions: `repetition_penalty` (HF/CTRL style,
     over prompt and output tokens, 1.0 = off), `presence_penalty` and `frequency_penalty` (OpenAI style, over
-    output tokens, 0.0 = off).
+    output tokens, 0.0 = off). `logit_bias` adds a value in [-100, 100] to a token id's logit before penalties,
+    temperature and filters (OpenAI's meaning): -100 all but bans a token, +100 all but forces it.
     """
 
     max_tokens: int = 16
@@ -33,6 +35,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per token (0: only the chosen one)
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +67,12 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=20)
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r:.80}")
+        self.logit_bias = dict(self.logit_bias)
+        for token, bias in self.logit_bias.items():
+            _check_int("logit_bias token id", token, low=0)
+            _check_float(f"logit_bias[{token}]", bias, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
 
     @property
     def greedy(self) -> bool:
@@ -72,6 +81,11 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or a logit bias: the row's logits change before it picks a token."""
+        return self.uses_penalties or bool(self.logit_bias)
 
     @property
     def uses_filters(self) -> bool:

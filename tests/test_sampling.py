@@ -32,6 +32,11 @@ from loom.model.sampler import Sampler, _filter, make_sampler
         ("stop_token_ids", [-1]),
         ("seed", "abc"),
         ("logprobs", 50),
+        ("logit_bias", {5: 100.5}),
+        ("logit_bias", {5: math.inf}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {"5": 1.0}),
+        ("logit_bias", [(5, 1.0)]),
     ],
 )
 def test_nonsense_values_raise_value_error_naming_the_field(field, value):
@@ -129,6 +134,24 @@ def test_top_k_one_is_greedy_and_penalties_change_the_choice():
     assert tokens == [1, 2, 2]
 
 
+def test_logit_bias_moves_greedy_and_sampled_choices_but_not_the_reported_logprobs(argmax_kernel):
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5]] * 4)
+    reqs = [
+        _req(temperature=0.0),
+        _req(temperature=0.0, logit_bias={1: -2.0}, logprobs=1),  # 3 - 2 < 2: token 2 wins
+        _req(temperature=0.0, logit_bias={1: -0.5, 3: 1.0}),  # 2.5 > 2.0 and 1.5: token 1 still wins
+        _req(temperature=1.0, seed=9, logit_bias={0: -100.0, 1: -100.0, 2: -100.0}),  # only token 3 is left
+    ]
+    for sampler in (Sampler(argmax_kernel), Sampler()):
+        tokens, lps = sampler.sample(logits, reqs)
+        assert tokens == [1, 2, 1, 3]
+        # Logprobs are the model's own (before bias), as vLLM reports them by default.
+        assert lps[1].logprob == pytest.approx(float(logits[1].log_softmax(-1)[2]))
+        assert lps[1].top[0][0] == 1
+    halves = logits.to(torch.bfloat16)  # a bfloat16 model's logits: biased on their float32 copy
+    assert Sampler(argmax_kernel).sample(halves, reqs[:3]) == Sampler(argmax_kernel).sample(halves.float(), reqs[:3])
+
+
 def test_sampling_follows_the_distribution_and_logprobs_are_reported():
     probs = torch.tensor([0.7, 0.2, 0.1])
     req = _req(temperature=1.0, seed=123, logprobs=2)
@@ -181,6 +204,23 @@ def test_stop_strings_stop_token_ids_and_ignore_eos(tiny_llama):
     by_id = _run(engine, [([3, 4, 5], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
                                                       stop_token_ids=[tok]))])[0]
     assert by_id.finish_reason == "stop" and by_id.token_ids == base.token_ids[: base.token_ids.index(tok) + 1]
+
+
+def test_logit_bias_forces_or_bans_tokens_in_the_engine(tiny_llama):
+    engine = _engine(tiny_llama)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    base = _run(engine, [([3, 4, 5], greedy)])[0].token_ids
+    forced_token = next(t for t in range(10, 100) if t not in base)
+    forced, banned = _run(engine, [
+        ([3, 4, 5], SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True,
+                                   logit_bias={forced_token: 100.0})),
+        ([3, 4, 5], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias={base[0]: -100.0})),
+    ])
+    assert forced.token_ids == [forced_token] * 12
+    assert banned.token_ids[0] != base[0] and base[0] not in banned.token_ids
+    vocab = tiny_llama.config.vocab_size
+    with pytest.raises(ValueError, match="logit_bias token ids"):
+        engine.add_request([3, 4, 5], SamplingParams(logit_bias={vocab: 1.0}))
 
 
 def test_streamed_deltas_add_up_and_hold_back_a_possible_stop(tiny_llama):

@@ -130,6 +130,20 @@ def test_stop_n_seed_and_logprobs(server, tiny_llama):
                for i, t in enumerate(lp.top_logprobs))
 
 
+def test_logit_bias_forces_a_token_through_the_openai_client(server, tiny_llama):
+    base, _ = server
+    client = _client(base)
+    plain = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    forced_id = tiny_llama.tokenizer.encode(" zz")[-1]
+    forced = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0,
+                                       logit_bias={str(forced_id): 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == tiny_llama.tokenizer.decode([forced_id] * 6) != plain
+    same = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0,
+                                     best_of=1, extra_body={"ignore_eos": True, "response_format": {"type": "text"}})
+    assert same.choices[0].text == plain  # best_of = n and a text response_format change nothing
+
+
 def test_chat_plain_streaming_and_logprobs_match_offline(smol_server, smollm2):
     base, _ = smol_server
     client = _client(base)
@@ -208,6 +222,14 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("/detokenize", {"tokens": [-1]}, 400, "token"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"-3": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "bye"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
 ]
 
 

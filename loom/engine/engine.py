@@ -160,6 +160,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        vocab = self.model_config.vocab_size
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
@@ -167,12 +168,14 @@ class LLMEngine:
             token_ids = self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
-            vocab = self.model_config.vocab_size
             bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
         if not token_ids:
             raise ValueError("prompt must not be empty")
+        biased_outside = [t for t in params.logit_bias if t >= vocab]
+        if biased_outside:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {biased_outside[:5]}")
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(

@@ -1,4 +1,5 @@
-"""Turn one step's logits [S, V] into next tokens, per request: penalties, greedy or filtered random sampling.
+"""Turn one step's logits [S, V] into next tokens, per request: penalties and logit bias, greedy or filtered random
+sampling.
 
 Random draws come from each request's own torch.Generator (seeded by `seed` when given), one draw per token,
 so a seeded request samples the same tokens whatever else shares its batch.
@@ -30,6 +31,15 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
         if out_ids.numel() and (p.presence_penalty or p.frequency_penalty):
             counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+    """In place: each request's bias added to its row's logits for the token ids it names."""
+    for row, req in enumerate(requests):
+        bias = req.params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias.keys()), dtype=torch.long)
+            logits[row, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype)
 
 
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -81,15 +91,17 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
         """One token per row of `logits` (float32, or bfloat16 as a bfloat16 model gives them), for the request of
         the same row. Greedy rows take the argmax of the logits as they are (the same token as of their exact
-        float32 copy); penalties, sampling and logprobs work on float32."""
+        float32 copy); penalties, logit bias, sampling and logprobs work on float32. Logprobs are the model's own,
+        from the logits before penalties and bias (vLLM's default)."""
         if logits.dtype != torch.float32 and not all(
-            r.params.greedy and not r.params.uses_penalties and r.params.logprobs is None for r in requests
+            r.params.greedy and not r.params.adjusts_logits and r.params.logprobs is None for r in requests
         ):
             logits = logits.float()
         raw = logits
-        if any(r.params.uses_penalties for r in requests):
+        if any(r.params.adjusts_logits for r in requests):
             logits = logits.clone()
             _apply_penalties(logits, requests)
+            _apply_logit_bias(logits, requests)
         tokens = self.greedy(logits)
 
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]

@@ -55,6 +55,13 @@ def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
+def _validation_message(error: dict) -> str:
+    """One pydantic error as "field.path: message", without pydantic's "Value error, " before our own messages."""
+    where = ".".join(str(x) for x in error.get("loc", ()) if x != "body")
+    message = str(error.get("msg", "")).removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
+
+
 def engine_error(e: Exception) -> APIError | None:
     """The HTTP error for an exception a request's stream raised, or None if it is not the engine's."""
     if isinstance(e, RequestFailed):  # the traceback is in the server log, never sent to the client
@@ -136,8 +143,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         errors = e.errors()
         first = errors[0] if errors else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        message = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body')}: {err.get('msg')}"
-                            for err in errors[:5])
+        message = "; ".join(_validation_message(err) for err in errors[:5])
         return error_response(APIError(400, message or "invalid request", param=".".join(loc) or None))
 
     @app.exception_handler(StarletteHTTPException)

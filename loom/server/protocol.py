@@ -1,10 +1,12 @@
-"""OpenAI request schemas (pydantic). Unknown fields are ignored; known fields of the wrong type are a 400."""
+"""OpenAI request schemas (pydantic). Unknown fields are ignored; known fields of the wrong type are a 400, and so are
+OpenAI fields whose meaning Loom cannot honour (`suffix`, `best_of` other than `n`, a JSON `response_format`), rather
+than an answer that quietly ignores them."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 from loom.sampling import SamplingParams
 
@@ -14,6 +16,20 @@ TokenIds = list[StrictInt]
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, value: str) -> str:
+        if value != "text":
+            raise ValueError(f"response_format {value!r} is not supported: Loom has no JSON-constrained decoding, "
+                             f"only 'text'")
+        return value
 
 
 class _SamplingFields(BaseModel):
@@ -28,6 +44,7 @@ class _SamplingFields(BaseModel):
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
+    logit_bias: dict[StrictStr, Number] | None = None  # JSON object keys: token ids as strings
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     repetition_penalty: Number | None = None
@@ -37,6 +54,16 @@ class _SamplingFields(BaseModel):
     user: StrictStr | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+
+    def logit_bias_by_token(self) -> dict[int, float]:
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r:.40}") from None
+        return bias
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, seed_offset: int = 0) -> SamplingParams:
         """Raises ValueError naming the field for out-of-range values."""
@@ -55,6 +82,7 @@ class _SamplingFields(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            logit_bias=self.logit_bias_by_token(),
         )
 
 
@@ -62,6 +90,22 @@ class CompletionRequest(_SamplingFields):
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
     echo: StrictBool = False
     logprobs: StrictInt | None = None
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported: the model has no fill-in-the-middle mode")
+        return value
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of other than n is not supported (n={self.n}, best_of={self.best_of}): ask for n "
+                             f"samples and rank them yourself")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
