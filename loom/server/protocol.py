@@ -27,8 +27,7 @@ class ResponseFormat(BaseModel):
     @classmethod
     def _text_only(cls, value: str) -> str:
         if value != "text":
-            raise ValueError(f"response_format {value!r} is not supported: Loom has no JSON-constrained decoding, "
-                             f"only 'text'")
+            raise ValueError(f"{value!r} is not supported: Loom has no JSON-constrained decoding, only 'text'")
         return value
 
 
@@ -97,7 +96,7 @@ class CompletionRequest(_SamplingFields):
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
         if value:
-            raise ValueError("suffix is not supported: the model has no fill-in-the-middle mode")
+            raise ValueError("not supported: the model has no fill-in-the-middle mode")
         return value
 
     @model_validator(mode="after")
