@@ -35,6 +35,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per token (0: only the chosen one)
+    prompt_logprobs: int | None = None  # the same for each prompt token but the first (no prefix cache hits then)
     logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -67,6 +68,8 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=20)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=20)
         if not isinstance(self.logit_bias, dict):
             raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r:.80}")
         self.logit_bias = dict(self.logit_bias)

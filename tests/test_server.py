@@ -144,6 +144,33 @@ def test_logit_bias_forces_a_token_through_the_openai_client(server, tiny_llama)
     assert same.choices[0].text == plain  # best_of = n and a text response_format change nothing
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, tiny_llama):
+    """lm-eval's loglikelihood asks for echo, logprobs 1 and max_tokens 1, then reads token_logprobs[ctxlen:-1]."""
+    base, _ = server
+    tok = tiny_llama.tokenizer
+    prompt_ids = tok.encode("Once upon a time there was")
+    offline = _offline(tiny_llama, [prompt_ids], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
+                                                                logprobs=1, prompt_logprobs=1))[0]
+    body = {"prompt": prompt_ids, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True, "ignore_eos": True}
+    plain = httpx.post(base + "/v1/completions", json=body, timeout=30).json()["choices"][0]
+    lp = plain["logprobs"]
+    n = len(prompt_ids)
+    assert plain["text"] == tok.decode(prompt_ids) + offline.text
+    assert lp["tokens"] == [tok.decode([t], skip_special_tokens=False) for t in prompt_ids + offline.token_ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:n] == pytest.approx([e.logprob for e in offline.prompt_logprobs[1:]], abs=1e-5)
+    assert lp["token_logprobs"][n:] == pytest.approx([e.logprob for e in offline.logprobs], abs=1e-5)
+    assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][n] == len(tok.decode(prompt_ids))
+
+    with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=30) as resp:
+        events = [json.loads(line[len("data: "):]) for line in resp.iter_lines() if line and line != "data: [DONE]"]
+    chunks = [e["choices"][0] for e in events]
+    assert chunks[0]["text"] == tok.decode(prompt_ids) and chunks[0]["logprobs"]["token_logprobs"][0] is None
+    streamed = {key: [v for c in chunks for v in c["logprobs"][key]] for key in lp}
+    assert streamed == lp
+
+
 def test_chat_plain_streaming_and_logprobs_match_offline(smol_server, smollm2):
     base, _ = smol_server
     client = _client(base)

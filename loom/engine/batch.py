@@ -23,6 +23,9 @@ class BatchMetadata:
     context_lens: tokens of each sequence in the cache once this step's K/V are written.
     logits_indices: row index of the last scheduled token of each sequence that samples this step.
     sampled_scheduled_index: for each row of logits_indices, the index of its entry in `SchedulerOutput.scheduled`.
+    prompt_logprob_indices: rows whose logits score a prompt token (position p scores token p + 1) for requests
+        that asked for prompt logprobs; prompt_logprob_spans says whose, in the same order: (index into
+        `SchedulerOutput.scheduled`, position of the first token scored, number of tokens scored).
     """
 
     input_ids: torch.Tensor  # [T] int64
@@ -42,6 +45,8 @@ class BatchMetadata:
     seq_request_ids: list[str | None]  # None for a padding token
     seq_scheduled_index: list[int]  # index into SchedulerOutput.scheduled, -1 for padding
     sampled_scheduled_index: list[int]
+    prompt_logprob_indices: torch.Tensor  # [P] int64
+    prompt_logprob_spans: list[tuple[int, int, int]]
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +108,18 @@ def build_batch_metadata(
     logits_indices = cu[1:][sample_rows] - 1
     sampled_scheduled_index = [order[row] for row in sample_rows]
 
+    score_rows: list[int] = []
+    prompt_logprob_spans: list[tuple[int, int, int]] = []
+    for row in range(len(decode_idx) + n_pad, num_seqs):  # a decode is past its prompt
+        chunk = sched[order[row]]
+        needed = chunk.request.prompt_logprobs_needed
+        first = max(chunk.start_position, needed.start)
+        last = min(chunk.start_position + len(chunk.token_ids), needed.stop)
+        if first < last:
+            prompt_logprob_spans.append((order[row], first + 1, last - first))
+            row_of_first = int(cu[row]) + first - chunk.start_position
+            score_rows.extend(range(row_of_first, row_of_first + last - first))
+
     num_decodes = len(decode_idx) + n_pad
     decode_max_blocks = max(num_blocks[:num_decodes]) if num_decodes else 0
     on_cpu = torch.device(device).type == "cpu"
@@ -128,4 +145,6 @@ def build_batch_metadata(
         seq_request_ids=[sched[i].request.request_id if i >= 0 else None for i in order],
         seq_scheduled_index=order,
         sampled_scheduled_index=sampled_scheduled_index,
+        prompt_logprob_indices=t(np.array(score_rows, np.int64)),
+        prompt_logprob_spans=prompt_logprob_spans,
     )

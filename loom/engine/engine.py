@@ -55,6 +55,8 @@ class RequestOutput:
     finish_reason: str | None
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing precedes it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -197,6 +199,7 @@ class LLMEngine:
             prompt=text,
             priority=priority,
             generator=generator,
+            prompt_logprobs=[] if params.prompt_logprobs is None else [None],
         )
 
     def submit(self, request: Request) -> None:
@@ -235,9 +238,10 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         if result is not None:
             now = time.monotonic()
-            for sched, token, logprob in zip(out.scheduled, result.tokens, result.logprobs):
+            for index, (sched, token, logprob) in enumerate(zip(out.scheduled, result.tokens, result.logprobs)):
                 request = sched.request
                 self.scheduler.mark_computed(request, len(sched.token_ids))
+                request.prompt_logprobs += result.prompt_logprobs.get(index, [])
                 if token is None:
                     continue
                 if request.first_token_time is None:
@@ -318,6 +322,7 @@ class LLMEngine:
                 num_preemptions=request.num_preemptions,
             ),
             logprobs=list(request.output_logprobs),
+            prompt_logprobs=None if request.params.prompt_logprobs is None else list(request.prompt_logprobs),
         )
 
     def _end_now(self, request: Request, reason: str) -> RequestOutput:

@@ -38,6 +38,9 @@ class Request:
     priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With params.prompt_logprobs: entry k scores prompt token k given tokens 0..k-1; entry 0 is None (nothing
+    # precedes it). Filled as prompt chunks run, each position once, even when a preempted request recomputes.
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     output_text: str = ""
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -59,6 +62,13 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def prompt_logprobs_needed(self) -> range:
+        """Prompt positions whose logits still owe a prompt logprob (position p scores token p + 1)."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        return range(max(0, len(self.prompt_logprobs) - 1), self.num_prompt_tokens - 1)
 
     @property
     def num_output_tokens(self) -> int:

@@ -12,7 +12,11 @@ from loom.engine.kv_cache import KVCacheSpec
 from loom.engine.request import TokenLogprob
 from loom.engine.scheduler import SchedulerOutput
 from loom.model.attention import AttentionBackend
-from loom.model.sampler import Sampler
+from loom.model.sampler import Sampler, score_tokens
+
+# Prompt logprobs take the LM head over every prompt row: 256 rows of SmolLM2's 49,152 float32 logits are 50 MB at a
+# time, where a 2048-token chunk at once would be 400 MB.
+PROMPT_LOGPROB_ROWS_AT_ONCE = 256
 
 
 @dataclass
@@ -21,6 +25,7 @@ class StepResult:
 
     tokens: list[int | None]
     logprobs: list[TokenLogprob | None]
+    prompt_logprobs: dict[int, list[TokenLogprob]]  # by index into `scheduled`: its chunk's scored prompt tokens
     metadata: BatchMetadata
     forward_seconds: float  # the model's forward over the packed row
     logits_seconds: float  # final norm and LM head of the sampled rows (0 when none samples)
@@ -57,4 +62,23 @@ class ModelRunner:
             for i, tok, lp in zip(meta.sampled_scheduled_index, sampled, lps):
                 tokens[i] = tok
                 logprobs[i] = lp
-        return StepResult(tokens, logprobs, meta, forwarded - started, logits_seconds)
+        prompt_logprobs = self._score_prompts(hidden, meta, out) if meta.prompt_logprob_spans else {}
+        return StepResult(tokens, logprobs, prompt_logprobs, meta, forwarded - started, logits_seconds)
+
+    def _score_prompts(self, hidden: torch.Tensor, meta: BatchMetadata,
+                       out: SchedulerOutput) -> dict[int, list[TokenLogprob]]:
+        """Log-probabilities of the prompt tokens that this step's chunks score, from the logits of the rows before."""
+        rows = hidden.index_select(0, meta.prompt_logprob_indices)
+        scored: dict[int, list[TokenLogprob]] = {}
+        offset = 0
+        for index, first, count in meta.prompt_logprob_spans:
+            request = out.scheduled[index].request
+            targets = request.prompt_token_ids[first : first + count]
+            lps: list[TokenLogprob] = []
+            for start in range(0, count, PROMPT_LOGPROB_ROWS_AT_ONCE):
+                end = min(count, start + PROMPT_LOGPROB_ROWS_AT_ONCE)
+                logits = self.model.compute_logits(rows[offset + start : offset + end])
+                lps += score_tokens(logits, targets[start:end], request.params.prompt_logprobs)
+            scored[index] = lps
+            offset += count
+        return scored

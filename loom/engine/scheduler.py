@@ -153,9 +153,10 @@ class Scheduler:
     def _take_cached_prefix(self, request: Request) -> int:
         """Give a request with nothing computed the cached blocks of its longest cached prefix; returns their count.
 
-        At least its last token is left to compute, so the step that finishes the prompt has logits to sample.
+        At least its last token is left to compute, so the step that finishes the prompt has logits to sample. A
+        request that wants prompt logprobs takes none: cached positions have no logits to score its prompt with.
         """
-        if not self.enable_prefix_caching or request.num_computed_tokens:
+        if not self.enable_prefix_caching or request.num_computed_tokens or request.params.prompt_logprobs is not None:
             return 0
         keys = block_hashes(request.token_ids(0, request.num_tokens - 1), self.block_size)
         blocks = self.pool.cached_prefix(keys)

@@ -57,21 +57,22 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def score_tokens(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprob]:
+    """Each row's log-probability of its token in `token_ids` and, if top > 0, the row's `top` best tokens."""
+    logp = logits.float().log_softmax(-1)
+    chosen = logp.gather(1, torch.tensor(token_ids, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
+    if not top:
+        return [TokenLogprob(tok, value) for tok, value in zip(token_ids, chosen)]
+    values, ids = logp.topk(top)
+    return [TokenLogprob(tok, value, list(zip(best_ids, best_values)))
+            for tok, value, best_ids, best_values in zip(token_ids, chosen, ids.tolist(), values.tolist())]
+
+
 def _logprobs(raw: torch.Tensor, tokens: list[int], requests: list[Request]) -> list[TokenLogprob | None]:
-    wanted = [r.params.logprobs is not None for r in requests]
-    if not any(wanted):
-        return [None] * len(requests)
-    logp = raw.log_softmax(-1)
-    result: list[TokenLogprob | None] = []
+    result: list[TokenLogprob | None] = [None] * len(requests)
     for row, (req, tok) in enumerate(zip(requests, tokens)):
-        if not wanted[row]:
-            result.append(None)
-            continue
-        top: list[tuple[int, float]] = []
-        if req.params.logprobs:
-            vals, ids = logp[row].topk(req.params.logprobs)
-            top = list(zip(ids.tolist(), vals.tolist()))
-        result.append(TokenLogprob(tok, float(logp[row, tok]), top))
+        if req.params.logprobs is not None:
+            result[row] = score_tokens(raw[row : row + 1], [tok], req.params.logprobs)[0]
     return result
 
 

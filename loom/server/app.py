@@ -251,13 +251,16 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     def token_text(token_id: int) -> str:
         return tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict:
-        tokens = [token_text(lp.token_id) for lp in lps]
-        tops = []
+    def completion_logprobs(token_ids: list[int], lps: list[TokenLogprob | None], offset: int) -> dict:
+        """OpenAI's legacy logprobs object; an echoed prompt's first token has no logprob (None)."""
+        tokens = [token_text(token_id) for token_id in token_ids]
+        tops: list[dict[str, float] | None] = []
         for lp in lps:
-            top: dict[str, float] = {}
-            for token_id, value in lp.top:  # best first; two ids may share a text: keep the better one
-                top.setdefault(token_text(token_id), value)
+            top: dict[str, float] | None = None
+            if lp is not None:
+                top = {}
+                for token_id, value in lp.top:  # best first; two ids may share a text: keep the better one
+                    top.setdefault(token_text(token_id), value)
             tops.append(top)
         offsets, pos = [], offset
         for t in tokens:
@@ -265,10 +268,13 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             pos += len(t)
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in lps],
+            "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
             "top_logprobs": tops,
             "text_offset": offsets,
         }
+
+    def joined_logprobs(parts: list[dict]) -> dict:
+        return {key: [v for part in parts for v in part[key]] for key in parts[0]}
 
     def chat_logprobs(lps: list[TokenLogprob]) -> dict:
         def entry(token_id: int, logprob: float) -> dict:
@@ -334,30 +340,44 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
             if body.logprobs is not None and not 0 <= body.logprobs <= 20:
                 raise ValueError("logprobs must be between 0 and 20")
-            body.sampling_params(max_tokens, body.logprobs)  # validate once before queueing anything
+            prompt_logprobs = body.logprobs if body.echo else None
+            body.sampling_params(max_tokens, body.logprobs, prompt_logprobs)  # validate once before queueing
         except ValueError as e:
             raise APIError(400, str(e)) from e
         rid = f"cmpl-{uuid.uuid4().hex}"
         n = body.n
-        streams = add_streams(prompts, n, lambda i: body.sampling_params(max_tokens, body.logprobs, i), rid,
-                              body.priority)
+        streams = add_streams(
+            prompts, n, lambda i: body.sampling_params(max_tokens, body.logprobs, prompt_logprobs, seed_offset=i), rid,
+            body.priority)
         created = int(time.time())
         echo_texts = [
             (p if isinstance(p, str) else tokenizer.decode(p)) if body.echo else "" for p in prompts for _ in range(n)
         ]
 
-        def choice(index: int, text: str, lps: list[TokenLogprob] | None, offset: int, reason: str | None) -> dict:
-            return {"index": index, "text": text,
-                    "logprobs": completion_logprobs(lps, offset) if lps is not None else None,
-                    "finish_reason": reason}
+        def choice(index: int, text: str, logprobs: dict | None, reason: str | None) -> dict:
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+        def output_logprobs(lps: list[TokenLogprob], offset: int) -> dict | None:
+            if body.logprobs is None:
+                return None
+            return completion_logprobs([lp.token_id for lp in lps], lps, offset)
+
+        def echo_logprobs(o: RequestOutput) -> dict | None:
+            """The echoed prompt's tokens scored, as OpenAI's echo with logprobs gives them."""
+            if o.prompt_logprobs is None:
+                return None
+            return completion_logprobs(o.prompt_token_ids, o.prompt_logprobs, 0)
 
         if not body.stream:
             finals = await collect_unless_disconnected(raw, streams)
             choices = []
             for i in range(len(streams)):
                 o = finals[i]
-                lps = o.logprobs if body.logprobs is not None else None
-                choices.append(choice(i, echo_texts[i] + o.text, lps, len(echo_texts[i]), o.finish_reason))
+                logprobs = output_logprobs(o.logprobs, len(echo_texts[i]))
+                echoed = echo_logprobs(o)
+                if echoed is not None and logprobs is not None:
+                    logprobs = joined_logprobs([echoed, logprobs])
+                choices.append(choice(i, echo_texts[i] + o.text, logprobs, o.finish_reason))
             completion_tokens = sum(len(o.token_ids) for o in finals.values())
             return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                     "choices": choices, "usage": usage(streams, n, completion_tokens)}
@@ -369,17 +389,22 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             text_pos = [len(t) for t in echo_texts]
             completion_tokens = 0
             base = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
-            if body.echo:
+            # An echo with logprobs waits for the prompt's scores, which come with the choice's first output.
+            echo_waits = [prompt_logprobs is not None] * len(streams)
+            if body.echo and prompt_logprobs is None:
                 for i, t in enumerate(echo_texts):
-                    yield sse({**base, "choices": [choice(i, t, None, 0, None)]})
+                    yield sse({**base, "choices": [choice(i, t, None, None)]})
             async for i, o in merged(streams):
+                if echo_waits[i]:
+                    echo_waits[i] = False
+                    yield sse({**base, "choices": [choice(i, echo_texts[i], echo_logprobs(o), None)]})
                 completion_tokens += len(o.new_token_ids)
-                lps = None
+                lps: list[TokenLogprob] = []
                 if body.logprobs is not None:
                     lps = o.logprobs[sent_lps[i]:]
                     sent_lps[i] = len(o.logprobs)
                 if o.new_text or lps or o.finished:
-                    yield sse({**base, "choices": [choice(i, o.new_text, lps, text_pos[i],
+                    yield sse({**base, "choices": [choice(i, o.new_text, output_logprobs(lps, text_pos[i]),
                                                           o.finish_reason if o.finished else None)]})
                     text_pos[i] += len(o.new_text)
             if include_usage:
@@ -407,7 +432,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError(400, str(e)) from e
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         n = body.n
-        streams = add_streams([prompt_ids], n, lambda i: body.sampling_params(max_tokens, logprobs, i), rid,
+        streams = add_streams([prompt_ids], n, lambda i: body.sampling_params(max_tokens, logprobs, seed_offset=i), rid,
                               body.priority)
         created = int(time.time())
 

@@ -64,7 +64,8 @@ class _SamplingFields(BaseModel):
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r:.40}") from None
         return bias
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, seed_offset: int = 0) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                        seed_offset: int = 0) -> SamplingParams:
         """Raises ValueError naming the field for out-of-range values."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
@@ -81,6 +82,7 @@ class _SamplingFields(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             logit_bias=self.logit_bias_by_token(),
         )
 
