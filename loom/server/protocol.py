@@ -1,6 +1,6 @@
 """OpenAI request schemas (pydantic). Unknown fields are ignored; known fields of the wrong type are a 400, and so are
-OpenAI fields whose meaning Loom cannot honour (`suffix`, `best_of` other than `n`, a JSON `response_format`), rather
-than an answer that quietly ignores them."""
+OpenAI fields whose meaning Loom cannot honour (`suffix`, `best_of` other than `n`, a JSON `response_format`, a
+required or named `tool_choice`), rather than an answer that quietly ignores them."""
 
 from __future__ import annotations
 
@@ -144,6 +144,15 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
+    tool_choice: StrictStr | dict | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_forced_tool_calls(cls, value: str | dict | None) -> str | dict | None:
+        if value is not None and value not in ("auto", "none"):
+            raise ValueError("a required or named tool call is not supported: Loom does not parse tool calls, so "
+                             "only 'auto' and 'none' (the model answers in text) are honoured")
+        return value
 
 
 class TokenizeRequest(BaseModel):
