@@ -23,6 +23,7 @@ class SamplingParams:
     """
 
     max_tokens: int = 16
+    min_tokens: int = 0  # vLLM's: EOS, stop_token_ids and stop strings cannot end the output before this many tokens
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
@@ -44,6 +45,7 @@ class SamplingParams:
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
         _check_float("temperature", self.temperature, low=0.0, high=100.0)
         _check_int("top_k", self.top_k, low=-1, high=2**31 - 1)
         if self.top_k == -1:
@@ -87,8 +89,8 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Penalties or a logit bias: the row's logits change before it picks a token."""
-        return self.uses_penalties or bool(self.logit_bias)
+        """Penalties, a logit bias or a minimum length: the row's logits may change before it picks a token."""
+        return self.uses_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def uses_filters(self) -> bool:

@@ -37,6 +37,8 @@ from loom.model.sampler import Sampler, _filter, make_sampler
         ("logit_bias", {-1: 1.0}),
         ("logit_bias", {"5": 1.0}),
         ("logit_bias", [(5, 1.0)]),
+        ("min_tokens", -1),
+        ("min_tokens", 17),  # above the default max_tokens of 16
     ],
 )
 def test_nonsense_values_raise_value_error_naming_the_field(field, value):
@@ -221,6 +223,33 @@ def test_logit_bias_forces_or_bans_tokens_in_the_engine(tiny_llama):
     vocab = tiny_llama.config.vocab_size
     with pytest.raises(ValueError, match="logit_bias token ids"):
         engine.add_request([3, 4, 5], SamplingParams(logit_bias={vocab: 1.0}))
+
+
+def test_min_tokens_holds_back_eos_stop_token_ids_and_stop_strings(tiny_llama):
+    engine = _engine(tiny_llama)
+    base = _run(engine, [([3, 4, 5], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))])[0]
+    stop_id = base.token_ids[2]
+    early = base.token_ids.index(stop_id)
+    by_id = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id])
+    assert _run(engine, [([3, 4, 5], by_id)])[0].token_ids == base.token_ids[: early + 1]
+    held = _run(engine, [([3, 4, 5], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                                                     stop_token_ids=[stop_id], min_tokens=8))])[0]
+    assert len(held.token_ids) >= 8 and stop_id not in held.token_ids[:8]
+    assert held.token_ids[:early] == base.token_ids[:early] and held.token_ids[early] != stop_id
+
+    # EOS: biased to win at once, it ends the output at one token unless min_tokens holds it back.
+    eos = tiny_llama.tokenizer.eos_token_ids[0]
+    eager = dict(max_tokens=30, temperature=0.0, logit_bias={eos: 100.0})
+    assert _run(engine, [([3, 4, 5], SamplingParams(**eager))])[0].token_ids == [eos]
+    patient = _run(engine, [([3, 4, 5], SamplingParams(**eager, min_tokens=6))])[0]
+    assert patient.token_ids[:6] == base.token_ids[:6] and patient.token_ids[6:] == [eos]  # 6 tokens, then EOS
+    assert patient.finish_reason == "stop"
+
+    # A stop string that the output holds early is not searched for before min_tokens.
+    stop_text = base.text[:3]
+    cut = _run(engine, [([3, 4, 5], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop_text],
+                                                    min_tokens=10))])[0]
+    assert len(cut.token_ids) >= 10 and cut.text.startswith(base.text[:3])
 
 
 def test_streamed_deltas_add_up_and_hold_back_a_possible_stop(tiny_llama):

@@ -142,6 +142,10 @@ def test_logit_bias_forces_a_token_through_the_openai_client(server, tiny_llama)
     same = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0,
                                      best_of=1, extra_body={"ignore_eos": True, "response_format": {"type": "text"}})
     assert same.choices[0].text == plain  # best_of = n and a text response_format change nothing
+    eos = tiny_llama.tokenizer.eos_token_ids[0]
+    held = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0,
+                                     logit_bias={str(eos): 100}, extra_body={"min_tokens": 4})
+    assert held.usage.completion_tokens == 5 and held.choices[0].finish_reason == "stop"  # 4 tokens, then EOS
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, tiny_llama):
@@ -253,6 +257,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"-3": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "suffix": "bye"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],

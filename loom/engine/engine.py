@@ -200,6 +200,9 @@ class LLMEngine:
             priority=priority,
             generator=generator,
             prompt_logprobs=[] if params.prompt_logprobs is None else [None],
+            stop_token_ids_held_back=sorted(
+                set(params.stop_token_ids) | set(() if params.ignore_eos else self.tokenizer.eos_token_ids)
+            ) if params.min_tokens else [],
         )
 
     def submit(self, request: Request) -> None:
@@ -275,7 +278,9 @@ class LLMEngine:
         request.output_text += stream.detokenizer.step(token)
 
         reason = None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids):
+        if request.below_min_tokens:
+            pass  # too short to stop (the sampler held back EOS and stop_token_ids)
+        elif token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids):
             reason = "stop"
         elif params.stop:
             hit = self._find_stop(request.output_text, params.stop, prev_len)

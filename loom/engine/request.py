@@ -34,7 +34,8 @@ class Request:
     params: SamplingParams
     arrival_time: float
     prompt: str | None = None
-    eos_token_id: int | None = None
+    # EOS (unless ignore_eos) and stop_token_ids: masked from the logits while fewer than params.min_tokens are out.
+    stop_token_ids_held_back: list[int] = field(default_factory=list)
     priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -73,6 +74,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def below_min_tokens(self) -> bool:
+        return self.num_output_tokens < self.params.min_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -1,5 +1,5 @@
-"""Turn one step's logits [S, V] into next tokens, per request: penalties and logit bias, greedy or filtered random
-sampling.
+"""Turn one step's logits [S, V] into next tokens, per request: penalties, logit bias and stops held back until
+min_tokens, then greedy or filtered random sampling.
 
 Random draws come from each request's own torch.Generator (seeded by `seed` when given), one draw per token,
 so a seeded request samples the same tokens whatever else shares its batch.
@@ -40,6 +40,13 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
         if bias:
             ids = torch.tensor(list(bias.keys()), dtype=torch.long)
             logits[row, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+
+
+def _hold_back_stops(logits: torch.Tensor, requests: list[Request]) -> None:
+    """In place: a request short of its min_tokens cannot pick a token that would end it."""
+    for row, req in enumerate(requests):
+        if req.stop_token_ids_held_back and req.below_min_tokens:
+            logits[row, torch.tensor(req.stop_token_ids_held_back, dtype=torch.long)] = float("-inf")
 
 
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -103,6 +110,7 @@ class Sampler:
             logits = logits.clone()
             _apply_penalties(logits, requests)
             _apply_logit_bias(logits, requests)
+            _hold_back_stops(logits, requests)
         tokens = self.greedy(logits)
 
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]

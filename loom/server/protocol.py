@@ -36,6 +36,7 @@ class _SamplingFields(BaseModel):
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
+    min_tokens: StrictInt = 0  # vLLM's extra field
     temperature: Number | None = None
     top_p: Number | None = None
     top_k: StrictInt | None = None
@@ -70,6 +71,7 @@ class _SamplingFields(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
