@@ -174,6 +174,20 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, tiny_l
     streamed = {key: [v for c in chunks for v in c["logprobs"][key]] for key in lp}
     assert streamed == lp
 
+    # max_tokens 0 with echo: the prompt scored, nothing generated.
+    scored = httpx.post(base + "/v1/completions", json={**body, "max_tokens": 0}, timeout=30).json()
+    only = scored["choices"][0]
+    assert only["text"] == tok.decode(prompt_ids) and only["finish_reason"] == "length"
+    assert only["logprobs"] == {key: values[:n] for key, values in lp.items()}
+    assert scored["usage"]["completion_tokens"] == 0 and scored["usage"]["prompt_tokens"] == n
+    with httpx.stream("POST", base + "/v1/completions", json={**body, "max_tokens": 0, "stream": True},
+                      timeout=30) as resp:
+        events = [json.loads(line[len("data: "):]) for line in resp.iter_lines() if line and line != "data: [DONE]"]
+    assert "".join(e["choices"][0]["text"] for e in events) == only["text"]
+    assert [v for e in events for v in e["choices"][0]["logprobs"]["token_logprobs"]] == \
+        only["logprobs"]["token_logprobs"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
 
 def test_chat_plain_streaming_and_logprobs_match_offline(smol_server, smollm2):
     base, _ = smol_server
@@ -258,6 +272,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"-3": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
     ("/v1/completions", {"prompt": "hi", "suffix": "bye"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],

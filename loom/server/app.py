@@ -338,6 +338,10 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         try:
             prompts = body.prompts()
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
+            # Echo with max_tokens 0 scores a prompt without continuing it (vLLM's echo without generation): the
+            # engine samples one token, which the answer leaves out.
+            echo_only = body.echo and max_tokens == 0
+            max_tokens = 1 if echo_only else max_tokens
             if body.logprobs is not None and not 0 <= body.logprobs <= 20:
                 raise ValueError("logprobs must be between 0 and 20")
             prompt_logprobs = body.logprobs if body.echo else None
@@ -373,12 +377,13 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             choices = []
             for i in range(len(streams)):
                 o = finals[i]
-                logprobs = output_logprobs(o.logprobs, len(echo_texts[i]))
+                text, lps, reason = ("", [], "length") if echo_only else (o.text, o.logprobs, o.finish_reason)
+                logprobs = output_logprobs(lps, len(echo_texts[i]))
                 echoed = echo_logprobs(o)
                 if echoed is not None and logprobs is not None:
                     logprobs = joined_logprobs([echoed, logprobs])
-                choices.append(choice(i, echo_texts[i] + o.text, logprobs, o.finish_reason))
-            completion_tokens = sum(len(o.token_ids) for o in finals.values())
+                choices.append(choice(i, echo_texts[i] + text, logprobs, reason))
+            completion_tokens = 0 if echo_only else sum(len(o.token_ids) for o in finals.values())
             return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                     "choices": choices, "usage": usage(streams, n, completion_tokens)}
 
@@ -398,6 +403,10 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 if echo_waits[i]:
                     echo_waits[i] = False
                     yield sse({**base, "choices": [choice(i, echo_texts[i], echo_logprobs(o), None)]})
+                if echo_only:
+                    if o.finished:
+                        yield sse({**base, "choices": [choice(i, "", output_logprobs([], text_pos[i]), "length")]})
+                    continue
                 completion_tokens += len(o.new_token_ids)
                 lps: list[TokenLogprob] = []
                 if body.logprobs is not None:
