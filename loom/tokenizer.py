@@ -137,11 +137,18 @@ class Tokenizer:
         except TemplateError as e:
             raise ValueError(f"the model's chat template does not compile: {e}") from e
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render messages with the model's template in jinja2's sandbox (a template cannot reach Python internals)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> str:
+        """Render messages with the model's template in jinja2's sandbox (a template cannot reach Python internals).
+
+        `continue_final_message`: the text ends right after the last message's content, with no end-of-turn
+        tokens, so that the model carries that message on (a reply begun for it, as vLLM and transformers offer).
+        """
+        if continue_final_message and (add_generation_prompt or not messages or not messages[-1].get("content")):
+            raise ValueError("continue_final_message needs add_generation_prompt false and a last message with content")
         special = lambda i: self.backend.id_to_token(i) if i is not None else ""  # noqa: E731
         try:
-            return self._chat_template.render(
+            rendered = self._chat_template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=special(self.bos_token_id),
@@ -149,6 +156,14 @@ class Tokenizer:
             )
         except TemplateError as e:
             raise ValueError(f"chat template error: {e}") from e
+        if continue_final_message:
+            final = messages[-1]["content"]
+            for content in (final, final.strip()):  # a template may trim the content
+                end = rendered.rfind(content)
+                if end >= 0:
+                    return rendered[: end + len(content)]
+            raise ValueError("the chat template does not render the last message's content, so it cannot be continued")
+        return rendered
 
     def detokenizer(self, prompt_token_ids: list[int] | None = None) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, prompt_token_ids or [])

@@ -206,6 +206,20 @@ def test_chat_plain_streaming_and_logprobs_match_offline(smol_server, smollm2):
     assert "".join(c.choices[0].delta.content or "" for c in stream) == expected.text
 
 
+def test_chat_continues_the_final_message(smol_server, smollm2):
+    base, _ = smol_server
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    text = smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    expected = _offline(smollm2, [smollm2.tokenizer.encode(text, add_special_tokens=False)],
+                        SamplingParams(max_tokens=8, temperature=0.0))[0]
+    body = {"messages": messages, "max_tokens": 8, "temperature": 0, "add_generation_prompt": False,
+            "continue_final_message": True}
+    r = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected.text
+    r = httpx.post(base + "/v1/chat/completions", json={**body, "add_generation_prompt": True}, timeout=60)
+    assert r.status_code == 400 and "continue_final_message" in r.json()["error"]["message"]
+
+
 def test_32_concurrent_streaming_clients_get_the_offline_outputs(smol_server, smollm2):
     base, engine = smol_server
     prompts = [f"Question {i}: tell me about the number {i * 7}." for i in range(32)]

@@ -1,4 +1,5 @@
-"""The tokenizer built from the GGUF matches transformers' tokenizer; streaming never splits a UTF-8 character."""
+"""The tokenizer built from the GGUF matches transformers' tokenizer and chat template; streaming never splits a UTF-8
+character."""
 
 from __future__ import annotations
 
@@ -37,3 +38,24 @@ def test_special_tokens_and_ids(smollm2):
     assert tok.eos_token_ids == [2] and tok.bos_token_id == 1
     assert tok.encode("<|im_end|>") == [2]
     assert tok.chat_template and "im_start" in tok.chat_template
+
+
+CHATS = [
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite colour is"}],
+    [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Bonjour, "}],  # a trailing space: kept, as transformers keeps it
+]
+
+
+@pytest.mark.parametrize("messages", CHATS)
+def test_chat_template_matches_transformers_also_continuing_the_last_message(smollm2, hf_smollm2, messages):
+    _, hf_tok = hf_smollm2
+    tok = smollm2.tokenizer
+    for add_generation_prompt in (True, False):
+        assert tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == \
+            hf_tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    continued = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert continued == hf_tok.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    assert continued.endswith(messages[-1]["content"])
+    with pytest.raises(ValueError, match="continue_final_message"):
+        tok.apply_chat_template(messages, continue_final_message=True)  # with the generation prompt

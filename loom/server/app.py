@@ -432,7 +432,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 raise ValueError("top_logprobs requires logprobs to be true")
             logprobs = (top or 0) if body.logprobs else None
             text = tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages],
-                                                 add_generation_prompt=body.add_generation_prompt)
+                                                 add_generation_prompt=body.add_generation_prompt,
+                                                 continue_final_message=body.continue_final_message)
             prompt_ids = tokenizer.encode(text, add_special_tokens=False)
             if max_tokens is None:  # OpenAI's default: as much as the context allows
                 max_tokens = max(1, max_model_len - len(prompt_ids))

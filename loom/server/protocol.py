@@ -146,6 +146,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # vLLM's extra field: the model carries the last message on
     tool_choice: StrictStr | dict | None = None
 
     @field_validator("tool_choice")
