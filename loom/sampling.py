@@ -35,6 +35,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's: the output keeps the stop string that ended it
+    skip_special_tokens: bool = True  # the output text leaves special tokens (e.g. <|im_end|>) out
     logprobs: int | None = None  # number of top alternatives to return per token (0: only the chosen one)
     prompt_logprobs: int | None = None  # the same for each prompt token but the first (no prefix cache hits then)
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -66,8 +68,9 @@ class SamplingParams:
                                  f"{MAX_STOP_STRING_CHARS} characters, got {s!r:.80}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, low=0)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=20)
         if self.prompt_logprobs is not None:

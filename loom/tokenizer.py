@@ -165,8 +165,9 @@ class Tokenizer:
             raise ValueError("the chat template does not render the last message's content, so it cannot be continued")
         return rendered
 
-    def detokenizer(self, prompt_token_ids: list[int] | None = None) -> "IncrementalDetokenizer":
-        return IncrementalDetokenizer(self, prompt_token_ids or [])
+    def detokenizer(self, prompt_token_ids: list[int] | None = None,
+                    skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, prompt_token_ids or [], skip_special_tokens)
 
 
 def _raise_template_error(message: str) -> None:
@@ -182,9 +183,10 @@ class IncrementalDetokenizer:
 
     _PRIME_TOKENS = 6
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self._backend = tokenizer.backend
-        self._stream = DecodeStream(ids=prompt_token_ids[-self._PRIME_TOKENS :], skip_special_tokens=True)
+        self._stream = DecodeStream(ids=prompt_token_ids[-self._PRIME_TOKENS :],
+                                    skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:
         return self._stream.step(self._backend, token_id) or ""

@@ -37,6 +37,8 @@ from loom.model.sampler import Sampler, _filter, make_sampler
         ("logit_bias", {-1: 1.0}),
         ("logit_bias", {"5": 1.0}),
         ("logit_bias", [(5, 1.0)]),
+        ("skip_special_tokens", 1),
+        ("include_stop_str_in_output", "yes"),
         ("min_tokens", -1),
         ("min_tokens", 17),  # above the default max_tokens of 16
     ],
@@ -202,6 +204,9 @@ def test_stop_strings_stop_token_ids_and_ignore_eos(tiny_llama):
     cut = _run(engine, [([3, 4, 5], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop]))])[0]
     assert cut.finish_reason == "stop"
     assert cut.text == text[: text.index(stop)] and stop not in cut.text
+    kept = _run(engine, [([3, 4, 5], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop],
+                                                     include_stop_str_in_output=True))])[0]
+    assert kept.finish_reason == "stop" and kept.text == text[: text.index(stop) + len(stop)]
     tok = base.token_ids[5]
     by_id = _run(engine, [([3, 4, 5], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
                                                       stop_token_ids=[tok]))])[0]
@@ -250,6 +255,16 @@ def test_min_tokens_holds_back_eos_stop_token_ids_and_stop_strings(tiny_llama):
     cut = _run(engine, [([3, 4, 5], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop_text],
                                                     min_tokens=10))])[0]
     assert len(cut.token_ids) >= 10 and cut.text.startswith(base.text[:3])
+
+
+def test_special_tokens_stay_in_the_text_only_when_asked(tiny_llama):
+    engine = _engine(tiny_llama)
+    eos = tiny_llama.tokenizer.eos_token_ids[0]
+    forced = dict(max_tokens=3, temperature=0.0, ignore_eos=True, logit_bias={eos: 100.0})
+    skipped, shown = _run(engine, [([3, 4, 5], SamplingParams(**forced)),
+                                   ([3, 4, 5], SamplingParams(**forced, skip_special_tokens=False))])
+    assert skipped.token_ids == shown.token_ids == [eos] * 3
+    assert skipped.text == "" and shown.text == "<|endoftext|>" * 3
 
 
 def test_streamed_deltas_add_up_and_hold_back_a_possible_stop(tiny_llama):

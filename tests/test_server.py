@@ -146,6 +146,14 @@ def test_logit_bias_forces_a_token_through_the_openai_client(server, tiny_llama)
     held = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0,
                                      logit_bias={str(eos): 100}, extra_body={"min_tokens": 4})
     assert held.usage.completion_tokens == 5 and held.choices[0].finish_reason == "stop"  # 4 tokens, then EOS
+    shown = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0,
+                                      logit_bias={str(eos): 100},
+                                      extra_body={"min_tokens": 4, "skip_special_tokens": False})
+    assert shown.choices[0].text == held.choices[0].text + "<|endoftext|>"
+    kept = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0,
+                                     stop=[plain[2:4]], extra_body={"ignore_eos": True,
+                                                                    "include_stop_str_in_output": True})
+    assert kept.choices[0].text == plain[: plain.index(plain[2:4]) + 2]
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, tiny_llama):

@@ -212,7 +212,7 @@ class LLMEngine:
         params = request.params
         self.requests[request.request_id] = request
         self._streams[request.request_id] = _Stream(
-            detokenizer=self.tokenizer.detokenizer(request.prompt_token_ids),
+            detokenizer=self.tokenizer.detokenizer(request.prompt_token_ids, params.skip_special_tokens),
             max_stop_len=max((len(s) for s in params.stop), default=0),
         )
         self.scheduler.add(request)
@@ -285,7 +285,9 @@ class LLMEngine:
         elif params.stop:
             hit = self._find_stop(request.output_text, params.stop, prev_len)
             if hit is not None:
-                request.output_text = request.output_text[:hit]
+                start, stop = hit
+                request.output_text = request.output_text[: start + len(stop) if params.include_stop_str_in_output
+                                                          else start]
                 reason = "stop"
         if reason is None and (
             request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len
@@ -295,10 +297,10 @@ class LLMEngine:
             self.scheduler.finish(request, reason)
 
     @staticmethod
-    def _find_stop(text: str, stops: list[str], prev_len: int) -> int | None:
-        """Earliest index of a stop string that ends in the newly added text, if any."""
-        hits = [i for s in stops if (i := text.find(s, max(0, prev_len - len(s) + 1))) >= 0]
-        return min(hits) if hits else None
+    def _find_stop(text: str, stops: list[str], prev_len: int) -> tuple[int, str] | None:
+        """The earliest stop string that ends in the newly added text, with its index, if any."""
+        hits = [(i, s) for s in stops if (i := text.find(s, max(0, prev_len - len(s) + 1))) >= 0]
+        return min(hits, key=lambda hit: hit[0]) if hits else None
 
     def _output(self, request: Request, final: bool) -> RequestOutput:
         stream = self._streams[request.request_id]

@@ -50,6 +50,8 @@ class _SamplingFields(BaseModel):
     repetition_penalty: Number | None = None
     n: StrictInt = Field(default=1, ge=1, le=16)
     ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = False  # vLLM's extra field
+    skip_special_tokens: StrictBool = True  # vLLM's extra field
     priority: StrictInt = Field(default=0, ge=-(2**31), le=2**31 - 1)  # vLLM's extra field: lower runs first
     user: StrictStr | None = None
     stream: StrictBool = False
@@ -83,6 +85,8 @@ class _SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             logit_bias=self.logit_bias_by_token(),
