@@ -211,6 +211,14 @@ def test_stop_strings_stop_token_ids_and_ignore_eos(tiny_llama):
     by_id = _run(engine, [([3, 4, 5], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
                                                       stop_token_ids=[tok]))])[0]
     assert by_id.finish_reason == "stop" and by_id.token_ids == base.token_ids[: base.token_ids.index(tok) + 1]
+    # The stop token's text is left out, as a stop string is, unless include_stop_str_in_output keeps it: the texts
+    # of the outputs cut by length right before and right after it.
+    before, after = (_run(engine, [([3, 4, 5], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))])[0]
+                     for n in (len(by_id.token_ids) - 1, len(by_id.token_ids)))
+    assert by_id.text == before.text and after.text != before.text
+    by_id_kept = _run(engine, [([3, 4, 5], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                           stop_token_ids=[tok], include_stop_str_in_output=True))])[0]
+    assert by_id_kept.text == after.text
 
 
 def test_logit_bias_forces_or_bans_tokens_in_the_engine(tiny_llama):

@@ -148,8 +148,9 @@ def test_logit_bias_forces_a_token_through_the_openai_client(server, tiny_llama)
     assert held.usage.completion_tokens == 5 and held.choices[0].finish_reason == "stop"  # 4 tokens, then EOS
     shown = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0,
                                       logit_bias={str(eos): 100},
-                                      extra_body={"min_tokens": 4, "skip_special_tokens": False})
-    assert shown.choices[0].text == held.choices[0].text + "<|endoftext|>"
+                                      extra_body={"min_tokens": 4, "skip_special_tokens": False,
+                                                  "include_stop_str_in_output": True})
+    assert shown.choices[0].text == held.choices[0].text + "<|endoftext|>"  # the stop token's text, kept
     kept = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0,
                                      stop=[plain[2:4]], extra_body={"ignore_eos": True,
                                                                     "include_stop_str_in_output": True})

@@ -282,6 +282,8 @@ class LLMEngine:
             pass  # too short to stop (the sampler held back EOS and stop_token_ids)
         elif token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids):
             reason = "stop"
+            if not params.include_stop_str_in_output:  # as a stop string's, the stop token's text is left out
+                request.output_text = request.output_text[:prev_len]
         elif params.stop:
             hit = self._find_stop(request.output_text, params.stop, prev_len)
             if hit is not None:
