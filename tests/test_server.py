@@ -227,6 +227,9 @@ def test_chat_continues_the_final_message(smol_server, smollm2):
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected.text
     r = httpx.post(base + "/v1/chat/completions", json={**body, "add_generation_prompt": True}, timeout=60)
     assert r.status_code == 400 and "continue_final_message" in r.json()["error"]["message"]
+    tokens = httpx.post(base + "/tokenize", json={"messages": messages, "add_generation_prompt": False,
+                                                  "continue_final_message": True}, timeout=60).json()["tokens"]
+    assert tokens == smollm2.tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_32_concurrent_streaming_clients_get_the_offline_outputs(smol_server, smollm2):

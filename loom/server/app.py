@@ -316,7 +316,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         try:
             if body.messages is not None:
-                text = tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages])
+                text = tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages],
+                                                     add_generation_prompt=body.add_generation_prompt,
+                                                     continue_final_message=body.continue_final_message)
                 tokens = tokenizer.encode(text, add_special_tokens=False)
             else:
                 tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

@@ -169,6 +169,8 @@ class TokenizeRequest(BaseModel):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True  # for messages, as in a chat request
+    continue_final_message: StrictBool = False
 
 
 class DetokenizeRequest(BaseModel):
