@@ -3,6 +3,7 @@
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.engine.engine import LLMEngine, RequestOutput
 from loom.engine.llm import LLM
-from loom.sampling import SamplingParams
+from loom.sampling import SamplingParams, StructuredOutputParams
 
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams", "EngineConfig", "SchedulerConfig", "CacheConfig"]
+__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutputParams", "EngineConfig",
+           "SchedulerConfig", "CacheConfig"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -10,6 +11,50 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value, either sign
+
+
+MAX_CHOICES = 1024
+
+
+@dataclass
+class StructuredOutputParams:
+    """A constraint on the output's text, as vLLM's `structured_outputs` names them: exactly one of a JSON schema
+    (`json`: a dict or its JSON text), any JSON object (`json_object`), a regular expression (`regex`), one of a
+    list of strings (`choice`), or a grammar (`grammar`: Lark, or llama.cpp's GBNF). `disable_any_whitespace`: JSON
+    without whitespace between its tokens (a model cannot then pad the output with blank lines)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise ValueError(f"structured outputs take exactly one of json, json_object, regex, choice and grammar, "
+                             f"got {given or 'none'}")
+        for name in ("json_object", "disable_any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"json: the schema is not valid JSON ({e})") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"json: a schema must be a JSON object, got {self.json!r:.80}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r:.80}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, list) or not 0 < len(self.choice) <= MAX_CHOICES
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError(f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings, "
+                                 f"got {self.choice!r:.80}")
 
 
 @dataclass
@@ -40,6 +85,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return per token (0: only the chosen one)
     prompt_logprobs: int | None = None  # the same for each prompt token but the first (no prefix cache hits then)
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured_outputs: StructuredOutputParams | None = None  # the output follows a JSON schema, regex, grammar...
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,6 +127,13 @@ class SamplingParams:
         for token, bias in self.logit_bias.items():
             _check_int("logit_bias token id", token, low=0)
             _check_float(f"logit_bias[{token}]", bias, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputParams):
+                raise ValueError(f"structured_outputs must be a StructuredOutputParams, got "
+                                 f"{self.structured_outputs!r:.80}")
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with structured outputs: the grammar decides where "
+                                 "the output may end")
 
     @property
     def greedy(self) -> bool:
@@ -92,8 +145,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Penalties, a logit bias or a minimum length: the row's logits may change before it picks a token."""
-        return self.uses_penalties or bool(self.logit_bias) or self.min_tokens > 0
+        """Penalties, a logit bias, a minimum length or structured outputs: the row's logits may change before it
+        picks a token."""
+        return (self.uses_penalties or bool(self.logit_bias) or self.min_tokens > 0
+                or self.structured_outputs is not None)
 
     @property
     def uses_filters(self) -> bool:

@@ -13,7 +13,7 @@ import openai
 import pytest
 import uvicorn
 
-from loom import LLM, SamplingParams
+from loom import LLM, SamplingParams, StructuredOutputParams
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.engine.async_engine import AsyncEngine
 from loom.engine.engine import LLMEngine
@@ -157,6 +157,37 @@ def test_logit_bias_forces_a_token_through_the_openai_client(server, tiny_llama)
     assert kept.choices[0].text == plain[: plain.index(plain[2:4]) + 2]
 
 
+def test_structured_outputs_in_openai_vllm_and_llama_cpp_dialects(server, tiny_llama):
+    """response_format (OpenAI), structured_outputs (vLLM) and grammar / json_schema (llama.cpp) each constrain the
+    output, streamed or not, as the same constraint does offline."""
+    base, _ = server
+    client = _client(base)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    choice = StructuredOutputParams(choice=["lazy dog", "Paris"])
+    offline = _offline(tiny_llama, ["Once upon a time"], SamplingParams(max_tokens=30, temperature=0,
+                                                                         structured_outputs=choice))[0]
+    vllm = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=30, temperature=0,
+                                     extra_body={"structured_outputs": {"choice": ["lazy dog", "Paris"]}})
+    assert vllm.choices[0].text == offline.text and vllm.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=30, temperature=0, stream=True,
+        extra_body={"structured_outputs": {"choice": ["lazy dog", "Paris"]}})
+    assert "".join(c.choices[0].text for c in streamed) == offline.text
+
+    openai_schema = client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=80, temperature=1.0, seed=3, n=3,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}})
+    assert [json.loads(c.text)["ok"] in (True, False) for c in openai_schema.choices] == [True] * 3
+    llama_cpp = httpx.post(base + "/v1/completions", timeout=30, json={
+        "prompt": "Once upon a time", "max_tokens": 30, "temperature": 0, "grammar": 'root ::= "ab" | "cd"'}).json()
+    assert llama_cpp["choices"][0]["text"] in ("ab", "cd")
+    as_json = httpx.post(base + "/v1/completions", timeout=30, json={
+        "prompt": "Once upon a time", "max_tokens": 80, "temperature": 0, "json_schema": schema,
+        "structured_outputs": None}).json()
+    assert set(json.loads(as_json["choices"][0]["text"])) == {"ok"}
+
+
 def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, tiny_llama):
     """lm-eval's loglikelihood asks for echo, logprobs 1 and max_tokens 1, then reads token_logprobs[ctxlen:-1]."""
     base, _ = server
@@ -213,6 +244,21 @@ def test_chat_plain_streaming_and_logprobs_match_offline(smol_server, smollm2):
     stream = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=16, temperature=0,
                                             stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream) == expected.text
+
+
+def test_chat_response_format_json_schema_through_the_openai_client(smol_server, smollm2):
+    base, _ = smol_server
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+              "required": ["city", "country"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Which city is the capital of France? Answer in JSON."}]
+    resp = _client(base).chat.completions.create(
+        model="tiny", messages=messages, max_tokens=48, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}})
+    answer = json.loads(resp.choices[0].message.content)
+    assert set(answer) == {"city", "country"} and resp.choices[0].finish_reason == "stop"
+    any_object = _client(base).chat.completions.create(model="tiny", messages=messages, max_tokens=48, temperature=0,
+                                                       response_format={"type": "json_object"})
+    assert isinstance(json.loads(any_object.choices[0].message.content), dict)
 
 
 def test_chat_continues_the_final_message(smol_server, smollm2):
@@ -301,8 +347,15 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
     ("/v1/completions", {"prompt": "hi", "suffix": "bye"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema"}}, 400, "json_schema"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "[a-"}}, 400, "unclosed character class"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"structural_tag": "x"}}, 400, "structural_tag"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, "exactly one"),
+    ("/v1/completions", {"prompt": "hi", "grammar": "root ::= \"a\"", "json_schema": {}}, 400, "at most one"),
+    ("/v1/completions", {"prompt": "hi", "json_schema": {"type": "objectx"}}, 400, "objectx"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"choice": ["a"]}, "min_tokens": 1}, 400,
+     "min_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
      "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],

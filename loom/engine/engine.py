@@ -16,6 +16,7 @@ from loom.engine.kv_cache import BlockPool, KVCacheSpec
 from loom.engine.request import Request, TokenLogprob
 from loom.engine.runner import ModelRunner, StepResult
 from loom.engine.scheduler import ContinuousScheduler, Scheduler, SchedulerOutput, StaticScheduler
+from loom.engine.structured_output import GrammarCompiler
 from loom.model.attention import make_attention
 from loom.model.layer_ops import make_layer_ops
 from loom.model.linear import make_matmul
@@ -108,6 +109,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, kv_spec, num_blocks, make_attention(self.config.attention_backend),
                                   make_sampler())
         self.scheduler = self._make_scheduler(self.config.scheduler)
+        self.grammars = GrammarCompiler(self.tokenizer, mcfg.vocab_size)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, _Stream] = {}
         self.step_observers: list[StepObserver] = []  # called after every step (metrics, traces, demos)
@@ -189,6 +191,7 @@ class LLMEngine:
             raise ValueError(
                 f"prompt + max_tokens needs {blocks} KV blocks but the cache holds only {self.pool.num_usable_blocks}"
             )
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
         return Request(
@@ -199,6 +202,7 @@ class LLMEngine:
             prompt=text,
             priority=priority,
             generator=generator,
+            grammar=grammar,
             prompt_logprobs=[] if params.prompt_logprobs is None else [None],
             stop_token_ids_held_back=sorted(
                 set(params.stop_token_ids) | set(() if params.ignore_eos else self.tokenizer.eos_token_ids)
@@ -271,6 +275,8 @@ class LLMEngine:
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         params = request.params
         request.output_token_ids.append(token)
+        if request.grammar is not None:
+            request.grammar.accept(token)
         if logprob is not None:
             request.output_logprobs.append(logprob)
         stream = self._streams[request.request_id]
@@ -291,6 +297,8 @@ class LLMEngine:
                 request.output_text = request.output_text[: start + len(stop) if params.include_stop_str_in_output
                                                           else start]
                 reason = "stop"
+        if reason is None and request.grammar is not None and request.grammar.is_complete:
+            reason = "stop"  # the output is a whole sentence of its grammar
         if reason is None and (
             request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len
         ):

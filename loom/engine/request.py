@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loom.engine.structured_output import GrammarMatcher
 from loom.sampling import SamplingParams
 
 
@@ -55,6 +56,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None
+    grammar: GrammarMatcher | None = None  # with params.structured_outputs: where the output stands in its grammar
 
     @property
     def num_prompt_tokens(self) -> int:

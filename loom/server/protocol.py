@@ -1,6 +1,9 @@
 """OpenAI request schemas (pydantic). Unknown fields are ignored; known fields of the wrong type are a 400, and so are
-OpenAI fields whose meaning Loom cannot honour (`suffix`, `best_of` other than `n`, a JSON `response_format`, a
-required or named `tool_choice`), rather than an answer that quietly ignores them."""
+OpenAI fields whose meaning Loom cannot honour (`suffix`, `best_of` other than `n`, a required or named
+`tool_choice`), rather than an answer that quietly ignores them.
+
+Structured outputs come in three dialects, one per request: OpenAI's `response_format` (`json_object`, or
+`json_schema` with its `schema`), vLLM's `structured_outputs` object, and llama.cpp's `json_schema` and `grammar`."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
-from loom.sampling import SamplingParams
+from loom.sampling import SamplingParams, StructuredOutputParams
 
 Number = Annotated[float, Field(strict=True)] | StrictInt
 TokenIds = list[StrictInt]
@@ -18,17 +21,53 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
 class ResponseFormat(BaseModel):
+    """OpenAI's: plain text, any JSON object, or JSON that follows a schema."""
+
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, value: str) -> str:
-        if value != "text":
-            raise ValueError(f"{value!r} is not supported: Loom has no JSON-constrained decoding, only 'text'")
-        return value
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object with its schema")
+        return self
+
+    def structured_outputs(self) -> StructuredOutputParams | None:
+        if self.type == "json_object":
+            return StructuredOutputParams(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputParams(json=self.json_schema.schema_)
+        return None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs`. A key Loom does not know (say `structural_tag`) is a 400, never ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict | StrictStr | None = Field(default=None, alias="json")
+    json_object: StrictBool = False
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    disable_any_whitespace: StrictBool = False
+
+    def params(self) -> StructuredOutputParams:
+        return StructuredOutputParams(json=self.json_, json_object=self.json_object, regex=self.regex,
+                                      choice=self.choice, grammar=self.grammar,
+                                      disable_any_whitespace=self.disable_any_whitespace)
 
 
 class _SamplingFields(BaseModel):
@@ -57,6 +96,23 @@ class _SamplingFields(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None  # vLLM's extra field
+    json_schema: dict | None = None  # llama.cpp's extra field
+    grammar: StrictStr | None = None  # llama.cpp's extra field: GBNF (or Lark)
+
+    def structured_output_params(self) -> StructuredOutputParams | None:
+        """The one constraint on the output that the request names, in whichever dialect; ValueError for two."""
+        named = {
+            "response_format": self.response_format.structured_outputs() if self.response_format else None,
+            "structured_outputs": self.structured_outputs.params() if self.structured_outputs else None,
+            "json_schema": StructuredOutputParams(json=self.json_schema) if self.json_schema is not None else None,
+            "grammar": StructuredOutputParams(grammar=self.grammar) if self.grammar is not None else None,
+        }
+        given = {name: params for name, params in named.items() if params is not None}
+        if len(given) > 1:
+            raise ValueError(f"give at most one of response_format (JSON), structured_outputs, json_schema and "
+                             f"grammar, got {sorted(given)}")
+        return next(iter(given.values()), None)
 
     def logit_bias_by_token(self) -> dict[int, float]:
         bias: dict[int, float] = {}
@@ -90,6 +146,7 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             logit_bias=self.logit_bias_by_token(),
+            structured_outputs=self.structured_output_params(),
         )
 
 
