@@ -129,7 +129,9 @@ class Tokenizer:
     def _chat_template(self) -> Template:
         if not self.chat_template:
             raise ValueError("this model has no chat template; use the completions API")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_template_error
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
@@ -138,8 +140,10 @@ class Tokenizer:
             raise ValueError(f"the model's chat template does not compile: {e}") from e
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> str:
+                            continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
         """Render messages with the model's template in jinja2's sandbox (a template cannot reach Python internals).
+        `tools` (OpenAI's function definitions) reach the template as transformers gives them, for templates that
+        show the model its tools.
 
         `continue_final_message`: the text ends right after the last message's content, with no end-of-turn
         tokens, so that the model carries that message on (a reply begun for it, as vLLM and transformers offer).
@@ -151,6 +155,7 @@ class Tokenizer:
             rendered = self._chat_template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 bos_token=special(self.bos_token_id),
                 eos_token=special(self.eos_token_ids[0] if self.eos_token_ids else None),
             )
@@ -168,6 +173,12 @@ class Tokenizer:
     def detokenizer(self, prompt_token_ids: list[int] | None = None,
                     skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, prompt_token_ids or [], skip_special_tokens)
+
+
+def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """transformers' `tojson` for chat templates: plain json.dumps, where jinja2's own escapes HTML characters."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_template_error(message: str) -> None:

@@ -33,6 +33,7 @@ from loom.engine.engine import RequestOutput
 from loom.engine.request import TokenLogprob
 from loom.server.metrics import ServerMetrics
 from loom.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from loom.server.tools import new_call_id, tool_calls_in_reply
 from loom.tokenizer import Tokenizer
 
 log = logging.getLogger("loom.server")
@@ -435,7 +436,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             logprobs = (top or 0) if body.logprobs else None
             text = tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages],
                                                  add_generation_prompt=body.add_generation_prompt,
-                                                 continue_final_message=body.continue_final_message)
+                                                 continue_final_message=body.continue_final_message,
+                                                 tools=body.tool_dicts())
             prompt_ids = tokenizer.encode(text, add_special_tokens=False)
             if max_tokens is None:  # OpenAI's default: as much as the context allows
                 max_tokens = max(1, max_model_len - len(prompt_ids))
@@ -448,14 +450,24 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                               body.priority)
         created = int(time.time())
 
+        tool_choice = body.tool_choice_value() if body.forces_tool_call else None
+
+        def reply(o: RequestOutput) -> tuple[dict, str | None]:
+            """The assistant's message and finish reason: a forced tool call's reply read back into tool_calls."""
+            calls = None if tool_choice is None else tool_calls_in_reply(o.text, tool_choice)
+            if calls is None:
+                return {"role": "assistant", "content": o.text}, o.finish_reason
+            # As vLLM: "tool_calls" ends a required call's reply, a named call's ends as its output did (OpenAI's way).
+            reason = "tool_calls" if tool_choice == "required" and o.finish_reason == "stop" else o.finish_reason
+            return {"role": "assistant", "content": None, "tool_calls": calls}, reason
+
         if not body.stream:
             finals = await collect_unless_disconnected(raw, streams)
-            choices = [
-                {"index": i, "message": {"role": "assistant", "content": finals[i].text},
-                 "logprobs": chat_logprobs(finals[i].logprobs) if logprobs is not None else None,
-                 "finish_reason": finals[i].finish_reason}
-                for i in range(len(streams))
-            ]
+            choices = []
+            for i in range(len(streams)):
+                message, reason = reply(finals[i])
+                choices.append({"index": i, "message": message, "finish_reason": reason,
+                                "logprobs": chat_logprobs(finals[i].logprobs) if logprobs is not None else None})
             completion_tokens = sum(len(o.token_ids) for o in finals.values())
             return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
                     "choices": choices, "usage": usage(streams, n, completion_tokens)}
@@ -468,6 +480,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]})
             sent_lps = [0] * len(streams)
+            calls_begun: set[int] = set()  # choices whose named call has sent its id and name
             completion_tokens = 0
             async for i, o in merged(streams):
                 completion_tokens += len(o.new_token_ids)
@@ -475,10 +488,28 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 if logprobs is not None:
                     lps = chat_logprobs(o.logprobs[sent_lps[i]:])
                     sent_lps[i] = len(o.logprobs)
-                if o.new_text or o.finished or (lps and lps["content"]):
-                    delta = {"content": o.new_text} if o.new_text else {}
-                    yield sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": lps,
-                                                    "finish_reason": o.finish_reason if o.finished else None}]})
+                if not (o.new_text or o.finished or (lps and lps["content"])):
+                    continue
+                reason = o.finish_reason if o.finished else None
+                delta = {"content": o.new_text} if o.new_text else {}
+                if isinstance(tool_choice, dict) and o.new_text:  # a named call streams its arguments as they come
+                    call = {"index": 0, "function": {"arguments": o.new_text}}
+                    if i not in calls_begun:
+                        calls_begun.add(i)
+                        call.update(id=new_call_id(), type="function")
+                        call["function"]["name"] = tool_choice["function"]["name"]
+                    delta = {"tool_calls": [call]}
+                elif tool_choice == "required":  # a list of calls is read once it is whole
+                    delta = {}
+                    if o.finished:
+                        message, reason = reply(o)
+                        if message["content"] is None:
+                            delta = {"tool_calls": [{"index": k, **call} for k, call in
+                                                    enumerate(message["tool_calls"])]}
+                        else:
+                            delta = {"content": message["content"]}
+                yield sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": lps,
+                                                "finish_reason": reason}]})
             if include_usage:
                 yield sse({**base, "choices": [], "usage": usage(streams, n, completion_tokens)})
             yield "data: [DONE]\n\n"

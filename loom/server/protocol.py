@@ -1,17 +1,20 @@
 """OpenAI request schemas (pydantic). Unknown fields are ignored; known fields of the wrong type are a 400, and so are
-OpenAI fields whose meaning Loom cannot honour (`suffix`, `best_of` other than `n`, a required or named
-`tool_choice`), rather than an answer that quietly ignores them.
+OpenAI fields whose meaning Loom cannot honour (`suffix`, `best_of` other than `n`), rather than an answer that
+quietly ignores them.
 
 Structured outputs come in three dialects, one per request: OpenAI's `response_format` (`json_object`, or
-`json_schema` with its `schema`), vLLM's `structured_outputs` object, and llama.cpp's `json_schema` and `grammar`."""
+`json_schema` with its `schema`), vLLM's `structured_outputs` object, and llama.cpp's `json_schema` and `grammar`; a
+required or named `tool_choice` is one more (loom/server/tools.py)."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 from loom.sampling import SamplingParams, StructuredOutputParams
+from loom.server.tools import forced_call_constraint
 
 Number = Annotated[float, Field(strict=True)] | StrictInt
 TokenIds = list[StrictInt]
@@ -100,18 +103,21 @@ class _SamplingFields(BaseModel):
     json_schema: dict | None = None  # llama.cpp's extra field
     grammar: StrictStr | None = None  # llama.cpp's extra field: GBNF (or Lark)
 
-    def structured_output_params(self) -> StructuredOutputParams | None:
-        """The one constraint on the output that the request names, in whichever dialect; ValueError for two."""
-        named = {
+    def _constraints(self) -> dict[str, StructuredOutputParams | None]:
+        """Each field that can constrain the output, with its constraint (None where it sets none)."""
+        return {
             "response_format": self.response_format.structured_outputs() if self.response_format else None,
             "structured_outputs": self.structured_outputs.params() if self.structured_outputs else None,
             "json_schema": StructuredOutputParams(json=self.json_schema) if self.json_schema is not None else None,
             "grammar": StructuredOutputParams(grammar=self.grammar) if self.grammar is not None else None,
         }
-        given = {name: params for name, params in named.items() if params is not None}
+
+    def structured_output_params(self) -> StructuredOutputParams | None:
+        """The one constraint on the output that the request names, in whichever dialect; ValueError for two."""
+        given = {name: params for name, params in self._constraints().items() if params is not None}
         if len(given) > 1:
-            raise ValueError(f"give at most one of response_format (JSON), structured_outputs, json_schema and "
-                             f"grammar, got {sorted(given)}")
+            raise ValueError(f"give at most one of response_format (JSON), structured_outputs, json_schema, grammar "
+                             f"and a forced tool_choice, got {sorted(given)}")
         return next(iter(given.values()), None)
 
     def logit_bias_by_token(self) -> dict[int, float]:
@@ -187,18 +193,76 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def as_template_dict(self) -> dict:
+        """Arguments as a JSON object where they parse, as transformers' tool templates expect them (vLLM does so)."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            arguments = self.function.arguments
+        call = {"type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+        return call if self.id is None else {"id": self.id, **call}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: StrictStr | None = None  # a tool's answer: the call it answers
 
     def as_template_dict(self) -> dict:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr = Field(min_length=1, max_length=64)
+    description: StrictStr | None = None
+    parameters: dict | None = None  # a JSON schema for the arguments object
+    strict: StrictBool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -208,15 +272,36 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # vLLM's extra field: the model carries the last message on
-    tool_choice: StrictStr | dict | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_forced_tool_calls(cls, value: str | dict | None) -> str | dict | None:
-        if value is not None and value not in ("auto", "none"):
-            raise ValueError("a required or named tool call is not supported: Loom does not parse tool calls, so "
-                             "only 'auto' and 'none' (the model answers in text) are honoured")
-        return value
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools: function names must differ, got {names}")
+        if self.forces_tool_call and not names:
+            raise ValueError("tool_choice: a required or named tool call needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool is named {self.tool_choice.function.name!r} (tools: {names})")
+        return self
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    def tool_dicts(self) -> list[dict] | None:
+        return None if self.tools is None else [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def tool_choice_value(self) -> str | dict | None:
+        choice = self.tool_choice
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+
+    def _constraints(self) -> dict[str, StructuredOutputParams | None]:
+        forced = (forced_call_constraint(self.tool_dicts(), self.tool_choice_value(), self.parallel_tool_calls)
+                  if self.forces_tool_call else None)
+        return {**super()._constraints(), "tool_choice": forced}
 
 
 class TokenizeRequest(BaseModel):
