@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from rich.console import Console
 
-from loom.config import CacheConfig, EngineConfig, SchedulerConfig
+from loom.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from loom.model.attention import ATTENTION_BACKENDS
 from loom.model.kv_quant import KV_CACHE_DTYPES
 from loom.model.layer_ops import LAYER_OPS
@@ -45,7 +46,18 @@ def _engine_args(p: argparse.ArgumentParser, kv_cache_gib: float, one_setting: b
                         "CPU has it, else packed")
     p.add_argument("--layer-ops", default="auto", choices=list(LAYER_OPS),
                    help="fused: Loom's C++ kernel for a Llama layer's norm, RoPE and SwiGLU (CPU); torch: torch ops")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help='vLLM\'s n-gram speculation, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\': draft tokens looked up in the context, '
+                        'checked in one step (continuous policy)')
     p.add_argument("--threads", type=int, default=None)
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig(**json.loads(text))
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"not a speculative config: {e}") from None
 
 
 def engine_config(args: argparse.Namespace, dtype: str | None = None, quantization: str | None = None) -> EngineConfig:
@@ -67,6 +79,7 @@ def engine_config(args: argparse.Namespace, dtype: str | None = None, quantizati
             enable_prefix_caching=args.prefix_caching,
             kv_cache_dtype=args.kv_cache_dtype,
         ),
+        speculative=args.speculative_config,
     )
 
 

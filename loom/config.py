@@ -73,6 +73,28 @@ class CacheConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """vLLM's n-gram speculation (prompt lookup): after each token, the tokens that followed the latest earlier
+    occurrence of the context's last n tokens (n from prompt_lookup_max down to prompt_lookup_min) are proposed, up
+    to num_speculative_tokens of them, and the next step checks them all in one forward. Outputs keep their
+    distribution (greedy: the same tokens); steps get longer, and fewer."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative method must be 'ngram' (prompt lookup), got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
+                             f"{self.prompt_lookup_max}")
+
+
+@dataclass
 class EngineConfig:
     """Everything an LLMEngine needs besides the weights."""
 
@@ -90,9 +112,12 @@ class EngineConfig:
     num_threads: int | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    speculative: SpeculativeConfig | None = None  # None: one token per request per step
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
+        if self.speculative is not None and self.scheduler.policy != "continuous":
+            raise ValueError("speculative decoding needs the continuous policy")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.matmul_backend not in MATMUL_BACKENDS:

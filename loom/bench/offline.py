@@ -33,6 +33,7 @@ def run_once(engine: LLMEngine, requests: list[BenchRequest], policy: str, max_n
     engine.set_scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy, pacing))
     engine.pool.reset_prefix_cache()  # every run starts cold, whatever ran before it on this engine
     tracer = StepTracer(engine)
+    drafts_before, accepted_before = engine.num_draft_tokens, engine.num_accepted_tokens
     started = time.perf_counter()
     ids = [
         engine.add_request(r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
@@ -67,6 +68,9 @@ def run_once(engine: LLMEngine, requests: list[BenchRequest], policy: str, max_n
         "kv_fragmentation": round(1 - sum(t for _, t in held) / max(1, sum(s for s, _ in held)), 4),
         "prefix_cache_hit_tokens": engine.scheduler.prefix_cache_hits,
         "prefix_caching": engine.config.cache.enable_prefix_caching and policy == "continuous",
+        # Speculation: decode_tokens (and so model_gflops) count every draft, the rejected ones too.
+        "spec_draft_tokens": engine.num_draft_tokens - drafts_before,
+        "spec_accepted_tokens": engine.num_accepted_tokens - accepted_before,
     }, [o.token_ids for o in outputs], tracer
 
 

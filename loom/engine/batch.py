@@ -21,8 +21,9 @@ class BatchMetadata:
     """One step's packed row [T] of B sequences.
 
     context_lens: tokens of each sequence in the cache once this step's K/V are written.
-    logits_indices: row index of the last scheduled token of each sequence that samples this step.
-    sampled_scheduled_index: for each row of logits_indices, the index of its entry in `SchedulerOutput.scheduled`.
+    logits_indices: row index of the last scheduled token of each sequence that samples this step; with draft tokens,
+        the rows of its last real token and of each draft, in order (`sample_counts` of them).
+    sampled_scheduled_index: for each sampling sequence, the index of its entry in `SchedulerOutput.scheduled`.
     prompt_logprob_indices: rows whose logits score a prompt token (position p scores token p + 1) for requests
         that asked for prompt logprobs; prompt_logprob_spans says whose, in the same order: (index into
         `SchedulerOutput.scheduled`, position of the first token scored, number of tokens scored).
@@ -45,6 +46,7 @@ class BatchMetadata:
     seq_request_ids: list[str | None]  # None for a padding token
     seq_scheduled_index: list[int]  # index into SchedulerOutput.scheduled, -1 for padding
     sampled_scheduled_index: list[int]
+    sample_counts: list[int]  # logits rows of each sampling sequence: 1 + its draft tokens
     prompt_logprob_indices: torch.Tensor  # [P] int64
     prompt_logprob_spans: list[tuple[int, int, int]]
 
@@ -105,8 +107,12 @@ def build_batch_metadata(
     slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
 
     sample_rows = [row for row, i in enumerate(order) if i >= 0 and sched[i].sample]
-    logits_indices = cu[1:][sample_rows] - 1
     sampled_scheduled_index = [order[row] for row in sample_rows]
+    sample_counts = np.fromiter((1 + len(sched[i].draft_token_ids) for i in sampled_scheduled_index), np.int64,
+                                len(sample_rows))
+    # Each sampling sequence's last sample_counts rows: its ends, stepped back by the rows still to come.
+    rows_left = np.arange(int(sample_counts.sum())) - np.repeat(np.cumsum(sample_counts), sample_counts)
+    logits_indices = np.repeat(cu[1:][sample_rows], sample_counts) + rows_left
 
     score_rows: list[int] = []
     prompt_logprob_spans: list[tuple[int, int, int]] = []
@@ -145,6 +151,7 @@ def build_batch_metadata(
         seq_request_ids=[sched[i].request.request_id if i >= 0 else None for i in order],
         seq_scheduled_index=order,
         sampled_scheduled_index=sampled_scheduled_index,
+        sample_counts=sample_counts.tolist(),
         prompt_logprob_indices=t(np.array(score_rows, np.int64)),
         prompt_logprob_spans=prompt_logprob_spans,
     )

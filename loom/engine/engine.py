@@ -13,6 +13,7 @@ import torch
 
 from loom.config import EngineConfig, SchedulerConfig
 from loom.engine.kv_cache import BlockPool, KVCacheSpec
+from loom.engine.ngram_proposer import NgramProposer
 from loom.engine.request import Request, TokenLogprob
 from loom.engine.runner import ModelRunner, StepResult
 from loom.engine.scheduler import ContinuousScheduler, Scheduler, SchedulerOutput, StaticScheduler
@@ -113,6 +114,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, _Stream] = {}
         self.step_observers: list[StepObserver] = []  # called after every step (metrics, traces, demos)
+        self.proposer = NgramProposer(self.config.speculative) if self.config.speculative is not None else None
+        self.num_draft_tokens = 0  # speculation: draft tokens checked, and those accepted
+        self.num_accepted_tokens = 0
 
     @contextmanager
     def observing(self, observer: StepObserver) -> Iterator[None]:
@@ -245,16 +249,26 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         if result is not None:
             now = time.monotonic()
-            for index, (sched, token, logprob) in enumerate(zip(out.scheduled, result.tokens, result.logprobs)):
+            for index, (sched, tokens, logprobs) in enumerate(zip(out.scheduled, result.tokens, result.logprobs)):
                 request = sched.request
-                self.scheduler.mark_computed(request, len(sched.token_ids))
+                # Draft tokens' K/V count once they are accepted: each one before the token after it.
+                self.scheduler.mark_computed(request, len(sched.token_ids) - len(sched.draft_token_ids))
                 request.prompt_logprobs += result.prompt_logprobs.get(index, [])
-                if token is None:
+                if not tokens:
                     continue
                 if request.first_token_time is None:
                     request.first_token_time = now
-                self._append_token(request, token, logprob)
+                self.num_draft_tokens += len(sched.draft_token_ids)
+                self.num_accepted_tokens += len(tokens) - 1
+                for k, (token, logprob) in enumerate(zip(tokens, logprobs)):
+                    if k:
+                        self.scheduler.mark_computed(request, 1)
+                    self._append_token(request, token, logprob)
+                    if request.is_finished:
+                        break
                 outputs.append(self._output(request, final=request.is_finished))
+            if self.proposer is not None and isinstance(self.scheduler, ContinuousScheduler):
+                self._propose(out)
         seconds = time.perf_counter() - started
         for observer in self.step_observers:
             observer(out, result, outputs, seconds)
@@ -271,6 +285,18 @@ class LLMEngine:
                 if output.finished:
                     finished[output.request_id] = output
         return finished
+
+    def _propose(self, out: SchedulerOutput) -> None:
+        """Draft tokens for each request that now awaits its next token, as far as its limits leave room for them
+        and the one token of its own after them; none for requests whose logits change before sampling."""
+        for sched in out.scheduled:
+            request = sched.request
+            if request.is_finished or request.num_tokens - request.num_computed_tokens != 1:
+                continue
+            room = min(request.params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
+            allowed = not request.params.adjusts_logits
+            request.draft_token_ids = (self.proposer.propose(request.token_ids(0, request.num_tokens), room - 1)
+                                       if allowed else [])
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         params = request.params

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from loom.config import CacheConfig, EngineConfig, SchedulerConfig
+from loom.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from loom.engine.engine import LLMEngine, RequestOutput
 from loom.model.loader import LoadedModel
 from loom.sampling import SamplingParams
@@ -33,8 +33,10 @@ class LLM:
         layer_ops: str = "auto",
         num_threads: int | None = None,
         enable_prefix_caching: bool = True,
+        speculative_config: dict | None = None,
         loaded: LoadedModel | None = None,
     ) -> None:
+        """`speculative_config`: vLLM's, e.g. {"method": "ngram", "num_speculative_tokens": 3} (SpeculativeConfig)."""
         config = EngineConfig(
             model=model,
             dtype=dtype,
@@ -46,6 +48,7 @@ class LLM:
             num_threads=num_threads,
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy, long_prefill_chunk_tokens),
             cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory, enable_prefix_caching),
+            speculative=SpeculativeConfig(**speculative_config) if speculative_config is not None else None,
         )
         self.engine = LLMEngine(config, loaded)
         self.tokenizer = self.engine.tokenizer

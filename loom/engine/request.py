@@ -57,6 +57,7 @@ class Request:
     finish_time: float | None = None
     generator: torch.Generator | None = None
     grammar: GrammarMatcher | None = None  # with params.structured_outputs: where the output stands in its grammar
+    draft_token_ids: list[int] = field(default_factory=list)  # speculation: proposed next tokens, checked next step
 
     @property
     def num_prompt_tokens(self) -> int:

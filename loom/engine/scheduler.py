@@ -26,6 +26,8 @@ class ScheduledRequest:
     block_ids: list[int]
     sample: bool  # the chunk reaches the request's last token, so a new token is sampled from it
     slot: int  # the request's place in the running set this step
+    # Speculation: proposed tokens fed after the request's last token (the tail of `token_ids`); the step checks them.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
@@ -48,7 +50,7 @@ class SchedulerOutput:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled if not s.is_decode)
+        return sum(len(s.token_ids) for s in self.scheduled if not s.is_decode and not s.draft_token_ids)
 
     @property
     def is_empty(self) -> bool:
@@ -173,17 +175,19 @@ class Scheduler:
             self.pool.free(request.block_ids[::-1])
         request.block_ids, request.block_hashes, request.num_computed_tokens = [], [], 0
 
-    def _schedule_chunk(self, request: Request, num_tokens: int, out: SchedulerOutput) -> None:
+    def _schedule_chunk(self, request: Request, num_tokens: int, out: SchedulerOutput,
+                        drafts: list[int] | None = None) -> None:
         start = request.num_computed_tokens
         end = start + num_tokens
         out.scheduled.append(
             ScheduledRequest(
                 request=request,
-                token_ids=request.token_ids(start, end),
+                token_ids=request.token_ids(start, end) + (drafts or []),
                 start_position=start,
                 block_ids=request.block_ids,
                 sample=end == request.num_tokens,
                 slot=request.slot,
+                draft_token_ids=drafts or [],
             )
         )
 
@@ -217,17 +221,26 @@ class ContinuousScheduler(Scheduler):
         out = self._next_output()
         budget = self.config.max_num_batched_tokens
         long_allowance = self._long_prefill_allowance()
+        # Draft tokens take only budget that no running request's next token needs.
+        decodes_left = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts: list[int] = []
+            if request.num_tokens - request.num_computed_tokens == 1:
+                drafts = request.draft_token_ids[: max(0, budget - decodes_left)]
+                decodes_left -= 1
             long = self._is_long_prefill(request)
             if long:
                 n = self._paced_chunk(request, n, long_allowance)
                 if n == 0:  # the long prompts' share of this step is spent
                     index += 1
                     continue
-            while not self._try_allocate(request, request.num_computed_tokens + n):
+            while not self._try_allocate(request, request.num_computed_tokens + n + len(drafts)):
+                if drafts:  # drafts are the first to give way when blocks run out
+                    drafts = []
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is request:
@@ -236,8 +249,8 @@ class ContinuousScheduler(Scheduler):
                 break
             if long:
                 long_allowance -= self._prefill_cost(request.num_computed_tokens, n)
-            self._schedule_chunk(request, n, out)
-            budget -= n
+            self._schedule_chunk(request, n, out, drafts)
+            budget -= n + len(drafts)
             index += 1
 
         if not out.preempted:

@@ -54,7 +54,7 @@ class StepTracer:
         end = time.perf_counter() - self._t0
         scheduler, pool = self.engine.scheduler, self.engine.pool
         slots = [
-            SlotUse(s.slot, s.request.request_id, "decode" if s.is_decode else "prefill")
+            SlotUse(s.slot, s.request.request_id, "decode" if s.is_decode or s.draft_token_ids else "prefill")
             for s in out.scheduled
         ]
         slots += [SlotUse(slot, rid, "padding") for slot, rid in out.padding_slots]
@@ -65,7 +65,7 @@ class StepTracer:
             prefill_tokens=out.num_prefill_tokens,
             decode_tokens=out.num_scheduled_tokens - out.num_prefill_tokens,
             pad_tokens=out.num_pad_tokens,
-            sampled_tokens=0 if result is None else sum(t is not None for t in result.tokens),
+            sampled_tokens=0 if result is None else sum(len(t) for t in result.tokens),
             num_scheduled=len(out.scheduled),
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),

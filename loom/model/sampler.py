@@ -7,6 +7,7 @@ so a seeded request samples the same tokens whatever else shares its batch.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -147,10 +148,72 @@ class Sampler:
                 )
             probs = sub.softmax(-1)
             for j, i in enumerate(rows):
-                # Exponential race (Gumbel-max in disguise): argmax(p / E) with E ~ Exp(1) samples from p.
-                noise = torch.empty_like(probs[j]).exponential_(generator=requests[i].generator)
-                tokens[i] = int((probs[j] / noise).argmax())
+                tokens[i] = _draw(probs[j], requests[i].generator)
         return tokens, _logprobs(raw, tokens, requests)
+
+
+    def verify(self, logits: torch.Tensor, requests: list[Request],
+               drafts: list[list[int]]) -> tuple[list[list[int]], list[list[TokenLogprob | None]]]:
+        """Speculation's check. Request i owns 1 + len(drafts[i]) consecutive rows of `logits`: row j scores the
+        token after its j-th draft. It emits its drafts as far as they are accepted, then one token of its own: so
+        1 to len(drafts[i]) + 1 tokens, distributed as one-at-a-time sampling would give them. Greedy: a draft is
+        accepted while it is the argmax, and the token of its own is the argmax where they part. Sampled (the
+        drafts are certain proposals): draft d at a row with probabilities p is accepted with probability p(d);
+        else the token is drawn from p without d. Requests with penalties, a bias, min_tokens or a grammar take no
+        drafts; their rows go through `sample`."""
+        if logits.dtype != torch.float32 and not all(r.params.greedy and r.params.logprobs is None for r in requests):
+            logits = logits.float()
+        counts = [1 + len(d) for d in drafts]
+        starts = [0, *itertools.accumulate(counts)]
+        argmax = self.greedy(logits) if any(r.params.greedy for r in requests) else []
+        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+        probs_of: dict[int, torch.Tensor] = {}
+        if sampled:
+            rows = [row for i in sampled for row in range(starts[i], starts[i + 1])]
+            params = [requests[i].params for i in sampled for _ in range(counts[i])]
+            sub = logits[rows] / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+            if any(p.uses_filters for p in params):
+                sub = _filter(sub, torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]),
+                              torch.tensor([p.min_p for p in params]))
+            probs = sub.softmax(-1)
+            offset = 0
+            for i in sampled:
+                probs_of[i] = probs[offset : offset + counts[i]]
+                offset += counts[i]
+        emitted: list[list[int]] = []
+        for i, (req, draft) in enumerate(zip(requests, drafts)):
+            if req.params.greedy:
+                targets = argmax[starts[i] : starts[i + 1]]
+                accepted = 0
+                while accepted < len(draft) and draft[accepted] == targets[accepted]:
+                    accepted += 1
+                emitted.append(targets[: accepted + 1])
+            else:
+                emitted.append(_rejection_sample(probs_of[i], draft, req.generator))
+        logprobs: list[list[TokenLogprob | None]] = []
+        for i, (req, tokens) in enumerate(zip(requests, emitted)):
+            top = req.params.logprobs
+            logprobs.append([None] * len(tokens) if top is None else
+                            score_tokens(logits[starts[i] : starts[i] + len(tokens)], tokens, top))
+        return emitted, logprobs
+
+
+def _rejection_sample(probs: torch.Tensor, draft: list[int], generator: torch.Generator | None) -> list[int]:
+    """Speculative sampling for drafts proposed with certainty: rows of `probs` score the token after each draft."""
+    for j, token in enumerate(draft):
+        if float(torch.rand(1, generator=generator)) < float(probs[j, token]):
+            continue
+        rest = probs[j].clone()
+        rest[token] = 0.0
+        return [*draft[:j], _draw(rest, generator)]
+    return [*draft, _draw(probs[len(draft)], generator)]
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from (unnormalised) probabilities. Exponential race (Gumbel-max in disguise): argmax(p / E) with
+    E ~ Exp(1) samples from p."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
 
 
 def make_sampler() -> Sampler:

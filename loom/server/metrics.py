@@ -30,6 +30,10 @@ class ServerMetrics:
               registry=r).set_function(lambda: eng.scheduler.prefix_cache_queries)
         Gauge("loom_prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache",
               registry=r).set_function(lambda: eng.scheduler.prefix_cache_hits)
+        Gauge("loom_spec_decode_num_draft_tokens", "Speculation: draft tokens checked", registry=r).set_function(
+            lambda: eng.num_draft_tokens)
+        Gauge("loom_spec_decode_num_accepted_tokens", "Speculation: draft tokens accepted",
+              registry=r).set_function(lambda: eng.num_accepted_tokens)
         self.prompt_tokens = Counter("loom_prompt_tokens", "Prompt tokens computed (prefill, incl. recompute)",
                                      registry=r)
         self.generation_tokens = Counter("loom_generation_tokens", "Tokens generated", registry=r)

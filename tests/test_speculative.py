@@ -1,0 +1,139 @@
+"""Speculative decoding by prompt lookup: draft tokens checked in one step change no greedy output (float32: the
+same tokens), keep a sampled output's distribution, and keep every scheduler and cache invariant."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import drive, make_engine, random_workload
+from loom import LLM, SamplingParams
+from loom.bench.workloads import mixed_workload
+from loom.cli import build_parser
+from loom.config import SpeculativeConfig
+from loom.engine.ngram_proposer import NgramProposer
+from loom.engine.request import Request
+from loom.model.sampler import Sampler
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match_of_the_longest_suffix():
+    propose = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2,
+                                              prompt_lookup_max=3)).propose
+    assert propose([1, 2, 3, 4, 5, 1, 2, 3], 9) == [4, 5, 1]  # at most num_speculative_tokens
+    assert propose([1, 2, 3, 4, 5, 1, 2, 3], 2) == [4, 5]  # at most the room the request has left
+    assert propose([7, 2, 3, 8, 9, 2, 3, 6, 1, 2, 3], 3) == [6, 1, 2]  # the latest of two matches
+    assert propose([2, 3, 5, 1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]  # 3 tokens ("1 2 3") beat 2 ("2 3")
+    assert propose([1, 2, 3, 4], 3) == [] and propose([5], 3) == [] and propose([1, 2, 1, 2], 0) == []
+
+
+def _request(temperature: float = 0.0, logprobs: int | None = None, seed: int = 0) -> Request:
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return Request("r", [1], SamplingParams(temperature=temperature, logprobs=logprobs), 0.0, generator=generator)
+
+
+def test_greedy_check_accepts_drafts_while_they_are_the_argmax():
+    logits = torch.full((7, 10), -5.0)
+    for row, best in enumerate([3, 4, 5, 6, 7, 8, 9]):
+        logits[row, best] = 5.0
+    # Rows 0-3 belong to a request with drafts [3, 4, 0] (the third wrong), rows 4-6 to one whose 2 drafts hold.
+    emitted, logprobs = Sampler().verify(logits, [_request(), _request(logprobs=1)], [[3, 4, 0], [7, 8]])
+    assert emitted == [[3, 4, 5], [7, 8, 9]]
+    assert logprobs[0] == [None] * 3
+    assert [lp.token_id for lp in logprobs[1]] == [7, 8, 9] and all(lp.top[0][0] == lp.token_id for lp in logprobs[1])
+    assert Sampler().verify(logits[:2], [_request()], [[9]])[0] == [[3]]  # the first draft wrong: one token
+
+
+def test_sampled_check_keeps_the_distribution():
+    """Draws of the tokens after a one-token draft, over many seeds, follow the model's probabilities, whether the
+    draft is likely, unlikely or impossible."""
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.6, 0.3, 0.0]])
+    logits = probs.clamp_min(1e-30).log()
+    for draft in (0, 2, 3):
+        first, second = Counter(), Counter()
+        for seed in range(3000):
+            (tokens,), _ = Sampler().verify(logits, [_request(temperature=1.0, seed=seed)], [[draft]])
+            first[tokens[0]] += 1
+            if len(tokens) == 2:
+                second[tokens[1]] += 1
+        assert all(abs(first[t] / 3000 - float(probs[0, t])) < 0.03 for t in range(4)), (draft, first)
+        if draft != 3:
+            n = sum(second.values())
+            assert n == first[draft] and all(abs(second[t] / n - float(probs[1, t])) < 0.05 for t in range(4))
+
+
+class OracleProposer:
+    """Proposes each request's true greedy continuation, every third proposal with its last draft wrong: drafts
+    that a random tiny model's own context would almost never supply, accepted and rejected."""
+
+    def __init__(self, continuations: dict[tuple, list[int]], k: int) -> None:
+        self.continuations, self.k, self.calls = continuations, k, 0
+
+    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+        self.calls += 1
+        for prompt, output in self.continuations.items():
+            if tuple(token_ids[: len(prompt)]) == prompt:
+                done = len(token_ids) - len(prompt)
+                drafts = output[done : done + min(self.k, max_drafts)]
+                if drafts and self.calls % 3 == 0:
+                    drafts[-1] = (drafts[-1] + 1) % 320
+                return drafts
+        raise AssertionError("unknown request")
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_drafts_in_batch_mixes_change_no_greedy_output(tiny_llama, alone_outputs, k):
+    """Chunked prompts, a token budget that trims drafts, few blocks (preemption): every request as alone."""
+    rng = random.Random(k)
+    workload = random_workload(rng, 24, 320)
+    expected = {i: alone_outputs(p, n) for i, (p, n) in enumerate(workload)}
+    engine = make_engine(tiny_llama, max_num_seqs=6, budget=20, blocks=24)
+    engine.config.speculative = SpeculativeConfig(num_speculative_tokens=k)
+    engine.proposer = OracleProposer({tuple(p): expected[i] for i, (p, _) in enumerate(workload)}, k)
+    preempted = []
+    engine.step_observers.append(lambda out, *_: preempted.extend(out.preempted))
+    got = drive(engine, workload, [rng.randint(0, 8) for _ in workload])
+    assert got == expected
+    assert preempted and engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
+    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
+
+
+@pytest.fixture(scope="module")
+def smol_requests(smollm2):
+    """The mixed workload's first requests (its prompts repeat text, so prompt lookup finds drafts), shortened."""
+    return [(w.prompt, min(w.max_tokens, 40)) for w in mixed_workload(smollm2.tokenizer, 6)]
+
+
+@pytest.mark.slow
+def test_smollm2_float32_gives_the_same_tokens_stops_and_logprobs_with_prompt_lookup(smollm2, smol_requests):
+    prompts = [p for p, _ in smol_requests]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=1) for _, n in smol_requests]
+    plain = LLM(loaded=smollm2, max_num_seqs=4).generate(prompts, params)
+    spec = LLM(loaded=smollm2, max_num_seqs=4, speculative_config={"num_speculative_tokens": 4})
+    drafted = spec.generate(prompts, params)
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+    for a, b in zip(drafted, plain):
+        assert [lp.top[0][0] for lp in a.logprobs] == [lp.top[0][0] for lp in b.logprobs]
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+    engine = spec.engine
+    assert engine.num_accepted_tokens > 0.8 * engine.num_draft_tokens > 0
+    # A stop string inside a run of accepted drafts ends the output where it ends one token at a time.
+    stops = [o.text[len(o.text) // 2 : len(o.text) // 2 + 6] for o in plain]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, stop=[s]) for (_, n), s in zip(smol_requests, stops)]
+    expected = LLM(loaded=smollm2, max_num_seqs=4).generate(prompts, params)
+    got = spec.generate(prompts, params)
+    assert [(o.text, o.token_ids, o.finish_reason) for o in got] == \
+        [(o.text, o.token_ids, o.finish_reason) for o in expected]
+    assert all(o.finish_reason == "stop" for o in got)
+
+
+def test_the_cli_takes_vllms_speculative_config_json():
+    args = build_parser().parse_args(["serve", "--speculative-config",
+                                      '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}'])
+    assert args.speculative_config == SpeculativeConfig("ngram", 5, 2, 3)
+    for bad in ('{"method": "eagle"}', '{"num_speculative_tokens": 0}', "{not json", '{"draft_model": "x"}'):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--speculative-config", bad])
