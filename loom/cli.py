@@ -53,6 +53,20 @@ def _engine_args(p: argparse.ArgumentParser, kv_cache_gib: float, one_setting: b
     p.add_argument("--threads", type=int, default=None)
 
 
+def _chat_template(value: str) -> str:
+    from pathlib import Path
+
+    from loom.tokenizer import compile_chat_template
+
+    path = Path(value)
+    template = path.read_text() if "{" not in value and path.is_file() else value
+    try:
+        compile_chat_template(template)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return template
+
+
 def _speculative_config(text: str) -> SpeculativeConfig:
     try:
         return SpeculativeConfig(**json.loads(text))
@@ -127,6 +141,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = LLMEngine(engine_config(args))
+    if args.chat_template is not None:
+        engine.tokenizer.chat_template = args.chat_template  # before any request has compiled the model's
     name = args.served_model_name or engine.loaded.name
     try:
         loopback = ipaddress.ip_address(args.host).is_loopback
@@ -137,7 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "binding %s without --api-key: anyone who can reach this port can use the model", args.host)
     async_engine = AsyncEngine(engine, max_waiting=args.max_waiting, request_timeout=args.request_timeout)
     app = create_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                     open_metrics=args.open_metrics)
+                     open_metrics=args.open_metrics, trust_request_chat_template=args.trust_request_chat_template)
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the handler it found: make that a no-op so
     # a clean drain exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -206,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may take from arrival; past it, it is aborted with a 504 error")
     s.add_argument("--served-model-name", default=None)
+    s.add_argument("--chat-template", type=_chat_template, default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a jinja chat template (a file, or the template itself) in place of the model's")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let chat and tokenize requests bring their own chat_template (templates are code)")
     s.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds to drain on SIGTERM")
     s.add_argument("--keep-alive-timeout", type=float, default=KEEP_ALIVE_SECONDS,
                    help="seconds an idle HTTP keep-alive connection stays open; keep it above clients' idle expiry "

@@ -86,6 +86,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token but the first (no prefix cache hits then)
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured_outputs: StructuredOutputParams | None = None  # the output follows a JSON schema, regex, grammar...
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be picked
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: as many as fit)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -127,6 +129,16 @@ class SamplingParams:
         for token, bias in self.logit_bias.items():
             _check_int("logit_bias token id", token, low=0)
             _check_float(f"logit_bias[{token}]", bias, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got "
+                                 f"{self.allowed_token_ids!r:.80}")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, low=0)
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=-1)
+            if self.truncate_prompt_tokens == 0:
+                raise ValueError("truncate_prompt_tokens must be >= 1, or -1 for as many as fit with max_tokens")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputParams):
                 raise ValueError(f"structured_outputs must be a StructuredOutputParams, got "
@@ -145,10 +157,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Penalties, a logit bias, a minimum length or structured outputs: the row's logits may change before it
-        picks a token."""
+        """Penalties, a logit bias, a minimum length, structured outputs or allowed tokens: the row's logits may
+        change before it picks a token."""
         return (self.uses_penalties or bool(self.logit_bias) or self.min_tokens > 0
-                or self.structured_outputs is not None)
+                or self.structured_outputs is not None or self.allowed_token_ids is not None)
 
     @property
     def uses_filters(self) -> bool:

@@ -128,39 +128,36 @@ class Tokenizer:
     @cached_property
     def _chat_template(self) -> Template:
         if not self.chat_template:
-            raise ValueError("this model has no chat template; use the completions API")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_template_error
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            return env.from_string(self.chat_template)
-        except TemplateError as e:
-            raise ValueError(f"the model's chat template does not compile: {e}") from e
+            raise ValueError("this model has no chat template; use the completions API or give one")
+        return compile_chat_template(self.chat_template)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
+                            continue_final_message: bool = False, tools: list[dict] | None = None,
+                            chat_template: str | None = None, template_kwargs: dict | None = None) -> str:
         """Render messages with the model's template in jinja2's sandbox (a template cannot reach Python internals).
         `tools` (OpenAI's function definitions) reach the template as transformers gives them, for templates that
-        show the model its tools.
+        show the model its tools. `chat_template` replaces the model's for this call; `template_kwargs` are more
+        variables for it (say `enable_thinking`), never replacing the ones above.
 
         `continue_final_message`: the text ends right after the last message's content, with no end-of-turn
         tokens, so that the model carries that message on (a reply begun for it, as vLLM and transformers offer).
         """
         if continue_final_message and (add_generation_prompt or not messages or not messages[-1].get("content")):
             raise ValueError("continue_final_message needs add_generation_prompt false and a last message with content")
+        template = self._chat_template if chat_template is None else compile_chat_template(chat_template)
         special = lambda i: self.backend.id_to_token(i) if i is not None else ""  # noqa: E731
+        variables = {
+            **(template_kwargs or {}),
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "tools": tools,
+            "bos_token": special(self.bos_token_id),
+            "eos_token": special(self.eos_token_ids[0] if self.eos_token_ids else None),
+        }
         try:
-            rendered = self._chat_template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-                bos_token=special(self.bos_token_id),
-                eos_token=special(self.eos_token_ids[0] if self.eos_token_ids else None),
-            )
-        except TemplateError as e:
-            raise ValueError(f"chat template error: {e}") from e
+            rendered = template.render(variables)
+        except Exception as e:  # a template is code from the model file or the request: any failure is its input's
+            raise ValueError(f"chat template error: {type(e).__name__}: {e}") from e
         if continue_final_message:
             final = messages[-1]["content"]
             for content in (final, final.strip()):  # a template may trim the content
@@ -173,6 +170,19 @@ class Tokenizer:
     def detokenizer(self, prompt_token_ids: list[int] | None = None,
                     skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, prompt_token_ids or [], skip_special_tokens)
+
+
+def compile_chat_template(source: str) -> Template:
+    """A chat template compiled in jinja2's sandbox, with transformers' extras (`tojson`, `raise_exception`,
+    `strftime_now`, loop controls); ValueError if it does not compile."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except TemplateError as e:
+        raise ValueError(f"the chat template does not compile: {e}") from e
 
 
 def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,

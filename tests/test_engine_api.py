@@ -40,6 +40,37 @@ def test_bad_input_raises_and_nothing_is_left_behind(llm):
     assert len(out.token_ids) == 3
 
 
+def test_allowed_token_ids_keep_the_argmax_where_it_is_allowed_and_nothing_else(llm):
+    prompt = [5, 17, 42, 99, 7]
+    plain = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0].token_ids
+    allowed = sorted(set(plain) | {3, 250})
+    kept = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                 allowed_token_ids=allowed))[0].token_ids
+    assert kept == plain  # every greedy pick was allowed, so none changes
+    few = [3, 250, 311]
+    outs = llm.generate([prompt] * 3, [SamplingParams(max_tokens=20, temperature=t, seed=1, ignore_eos=True,
+                                                      allowed_token_ids=few) for t in (0.0, 1.0, 2.0)])
+    assert all(set(o.token_ids) <= set(few) for o in outs) and len(set(outs[2].token_ids)) > 1
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate([prompt], SamplingParams(allowed_token_ids=[320]))
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(llm):
+    prompt = list(range(30, 90))
+    params = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+    cut = llm.generate([prompt], SamplingParams(**params, truncate_prompt_tokens=12))[0]
+    assert cut.prompt_token_ids == prompt[-12:]
+    assert cut.token_ids == llm.generate([prompt[-12:]], SamplingParams(**params))[0].token_ids
+    too_long = [5] * 600  # beyond the tiny model's 512 positions until -1 cuts it to what fits with max_tokens
+    roomy = LLM(loaded=llm.engine.loaded, num_kv_blocks=80, block_size=8)
+    assert len(roomy.generate([too_long], SamplingParams(max_tokens=4, truncate_prompt_tokens=-1))[0]
+               .prompt_token_ids) == 508
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
 def test_generate_returns_text_tokens_reason_and_timings(llm):
     outs = llm.generate(["The capital of France is", "Once upon a time"],
                         [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),

@@ -188,6 +188,16 @@ def test_structured_outputs_in_openai_vllm_and_llama_cpp_dialects(server, tiny_l
     assert set(json.loads(as_json["choices"][0]["text"])) == {"ok"}
 
 
+def test_allowed_token_ids_and_truncate_prompt_tokens_through_the_openai_client(server, tiny_llama):
+    base, _ = server
+    prompt = list(range(30, 90))
+    expected = _offline(tiny_llama, [prompt[-10:]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                                   allowed_token_ids=[3, 250, 311]))[0]
+    resp = _client(base).completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, extra_body={
+        "ignore_eos": True, "allowed_token_ids": [3, 250, 311], "truncate_prompt_tokens": 10})
+    assert resp.choices[0].text == expected.text and resp.usage.prompt_tokens == 10
+
+
 def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, tiny_llama):
     """lm-eval's loglikelihood asks for echo, logprobs 1 and max_tokens 1, then reads token_logprobs[ctxlen:-1]."""
     base, _ = server
@@ -356,6 +366,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "json_schema": {"type": "objectx"}}, 400, "objectx"),
     ("/v1/completions", {"prompt": "hi", "structured_outputs": {"choice": ["a"]}, "min_tokens": 1}, 400,
      "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [5, 999999]}, 400, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
      "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -475,3 +487,35 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(tiny_llama_dir):
             proc.kill()
     log = proc.stdout.read()
     assert "request cmpl-" in log  # the per-request log line
+
+
+def test_request_chat_templates_and_template_variables(tiny_llama, server):
+    """A request's own template only where the server trusts them; template variables everywhere, never replacing
+    the messages."""
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}{% if shout %}!{% endif %}"
+    messages = [{"role": "user", "content": "Once upon a time"}]
+    body = {"messages": messages, "chat_template": template, "chat_template_kwargs": {"shout": True, "messages": []}}
+    untrusted, _ = server
+    r = httpx.post(untrusted + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "--trust-request-chat-template" in r.json()["error"]["message"]
+    with running_server(tiny_llama, trust_request_chat_template=True) as (base, _):
+        tokens = httpx.post(base + "/tokenize", json=body, timeout=30).json()["tokens"]
+        assert tokens == tiny_llama.tokenizer.encode("Once upon a time!", add_special_tokens=False)
+        expected = _offline(tiny_llama, [tokens], SamplingParams(max_tokens=6, temperature=0.0))[0]
+        r = httpx.post(base + "/v1/chat/completions", json={**body, "max_tokens": 6, "temperature": 0}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected.text
+        for bad, needle in (("{% for %}", "does not compile"), ("{{ raise_exception('no system') }}", "no system"),
+                            ("{{ messages[5].content }}", "chat template error")):
+            r = httpx.post(base + "/v1/chat/completions", json={**body, "chat_template": bad}, timeout=30)
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_serve_takes_a_chat_template_file_or_text(tmp_path):
+    from loom.cli import build_parser
+
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    assert build_parser().parse_args(["serve", "--chat-template", str(tmp_path / "t.jinja")]).chat_template == template
+    assert build_parser().parse_args(["serve", "--chat-template", template]).chat_template == template
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--chat-template", "{% if %}"])

@@ -181,9 +181,16 @@ class LLMEngine:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
         if not token_ids:
             raise ValueError("prompt must not be empty")
+        if params.truncate_prompt_tokens is not None:  # vLLM's: the prompt's last tokens (left truncation)
+            keep = (max(1, self.max_model_len - params.max_tokens) if params.truncate_prompt_tokens == -1
+                    else params.truncate_prompt_tokens)
+            token_ids = token_ids[-keep:]
         biased_outside = [t for t in params.logit_bias if t >= vocab]
         if biased_outside:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {biased_outside[:5]}")
+        allowed_outside = [t for t in params.allowed_token_ids or [] if t >= vocab]
+        if allowed_outside:
+            raise ValueError(f"allowed_token_ids must be in [0, {vocab}), got {allowed_outside[:5]}")
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(

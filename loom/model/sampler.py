@@ -44,6 +44,17 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
             logits[row, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype)
 
 
+def _keep_allowed(logits: torch.Tensor, requests: list[Request]) -> None:
+    """In place: a request that names its allowed tokens can pick no other."""
+    for row, req in enumerate(requests):
+        allowed = req.params.allowed_token_ids
+        if allowed is not None:
+            ids = torch.tensor(allowed, dtype=torch.long)
+            kept = logits[row, ids]
+            logits[row].fill_(float("-inf"))
+            logits[row, ids] = kept
+
+
 def _hold_back_stops(logits: torch.Tensor, requests: list[Request]) -> None:
     """In place: a request short of its min_tokens cannot pick a token that would end it."""
     for row, req in enumerate(requests):
@@ -132,6 +143,7 @@ class Sampler:
             _apply_penalties(logits, requests)
             _apply_logit_bias(logits, requests)
             _hold_back_stops(logits, requests)
+            _keep_allowed(logits, requests)
             _apply_grammars(logits, requests)
         tokens = self.greedy(logits)
 

@@ -117,7 +117,7 @@ class BodySizeLimit:
 
 
 def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
-               open_metrics: bool = False) -> FastAPI:
+               open_metrics: bool = False, trust_request_chat_template: bool = False) -> FastAPI:
     tokenizer: Tokenizer = engine.engine.tokenizer
     max_model_len = engine.engine.max_model_len
     metrics = ServerMetrics(engine)
@@ -168,6 +168,14 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if name is not None and name != model_name:
             raise APIError(400, f"model {name!r} does not exist; this server serves {model_name!r}", param="model",
                            code="model_not_found")
+
+    def template_options(body: TokenizeRequest | ChatCompletionRequest) -> dict:
+        """A request's own chat template (only where the server trusts them: a template is code, and a costly one
+        would hold the server's event loop) and its template variables."""
+        if body.chat_template is not None and not trust_request_chat_template:
+            raise ValueError("chat_template: this server does not take chat templates from requests (start it with "
+                             "--trust-request-chat-template)")
+        return {"chat_template": body.chat_template, "template_kwargs": body.chat_template_kwargs}
 
     def add_streams(prompts: list[str | list[int]], n: int, make_params, base_id: str,
                     priority: int) -> list[RequestStream]:
@@ -319,7 +327,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             if body.messages is not None:
                 text = tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages],
                                                      add_generation_prompt=body.add_generation_prompt,
-                                                     continue_final_message=body.continue_final_message)
+                                                     continue_final_message=body.continue_final_message,
+                                                     **template_options(body))
                 tokens = tokenizer.encode(text, add_special_tokens=False)
             else:
                 tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
@@ -437,7 +446,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             text = tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages],
                                                  add_generation_prompt=body.add_generation_prompt,
                                                  continue_final_message=body.continue_final_message,
-                                                 tools=body.tool_dicts())
+                                                 tools=body.tool_dicts(), **template_options(body))
             prompt_ids = tokenizer.encode(text, add_special_tokens=False)
             if max_tokens is None:  # OpenAI's default: as much as the context allows
                 max_tokens = max(1, max_model_len - len(prompt_ids))

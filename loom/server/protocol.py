@@ -94,6 +94,8 @@ class _SamplingFields(BaseModel):
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False  # vLLM's extra field
     skip_special_tokens: StrictBool = True  # vLLM's extra field
+    allowed_token_ids: list[StrictInt] | None = None  # vLLM's extra field
+    truncate_prompt_tokens: StrictInt | None = None  # vLLM's extra field
     priority: StrictInt = Field(default=0, ge=-(2**31), le=2**31 - 1)  # vLLM's extra field: lower runs first
     user: StrictStr | None = None
     stream: StrictBool = False
@@ -153,6 +155,8 @@ class _SamplingFields(BaseModel):
             prompt_logprobs=prompt_logprobs,
             logit_bias=self.logit_bias_by_token(),
             structured_outputs=self.structured_output_params(),
+            allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
 
@@ -265,7 +269,15 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(BaseModel):
+    """vLLM's: a chat template for this request alone (only where the server trusts request templates), and more
+    variables for the template (say {"enable_thinking": false})."""
+
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
@@ -304,7 +316,7 @@ class ChatCompletionRequest(_SamplingFields):
         return {**super()._constraints(), "tool_choice": forced}
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_ChatTemplateFields):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
