@@ -25,7 +25,8 @@ from loom.server.app import create_app
 @contextmanager
 def running_server(loaded, max_num_seqs=16, num_kv_blocks=256, **app_kwargs):
     engine = LLMEngine(EngineConfig(scheduler=SchedulerConfig(max_num_seqs, 256),
-                                    cache=CacheConfig(num_kv_blocks=num_kv_blocks)), loaded)
+                                    cache=CacheConfig(num_kv_blocks=num_kv_blocks),
+                                    speculative=app_kwargs.pop("speculative", None)), loaded)
     async_engine = AsyncEngine(engine, max_waiting=app_kwargs.pop("max_waiting", None),
                                request_timeout=app_kwargs.pop("request_timeout", None))
     app = create_app(async_engine, "tiny", **app_kwargs)
@@ -519,3 +520,23 @@ def test_serve_takes_a_chat_template_file_or_text(tmp_path):
     assert build_parser().parse_args(["serve", "--chat-template", template]).chat_template == template
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--chat-template", "{% if %}"])
+
+
+def test_a_server_with_prompt_lookup_streams_what_one_token_at_a_time_gives(smollm2):
+    """Several tokens a step reach the client as one delta each step; the text is the offline text without drafts."""
+    from loom.bench.workloads import mixed_workload
+    from loom.config import SpeculativeConfig
+
+    prompts = [w.prompt for w in mixed_workload(smollm2.tokenizer, 3)]
+    expected = _offline(smollm2, prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    with running_server(smollm2, speculative=SpeculativeConfig(num_speculative_tokens=4)) as (base, _):
+        client = _client(base)
+        for prompt, want in zip(prompts, expected):
+            stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True})
+            chunks = [c.choices[0].text for c in stream if c.choices]
+            assert "".join(chunks) == want.text and len(chunks) < 30  # fewer deltas than tokens
+        metrics = httpx.get(base + "/metrics", timeout=30).text
+        (line,) = [m for m in metrics.splitlines() if m.startswith("loom_spec_decode_num_accepted_tokens ")]
+        accepted = float(line.split()[1])
+        assert accepted > 60
