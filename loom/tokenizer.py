@@ -206,8 +206,12 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self._backend = tokenizer.backend
-        self._stream = DecodeStream(ids=prompt_token_ids[-self._PRIME_TOKENS :],
-                                    skip_special_tokens=skip_special_tokens)
+        prime = prompt_token_ids[-self._PRIME_TOKENS :]
+        # A prompt of token ids may end inside a character: primed with those bytes, the stream would hand the
+        # prompt's last characters out as the output's first text. Such an output begins with U+FFFD instead.
+        while prime and tokenizer.decode(prime, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+            prime = prime[:-1]
+        self._stream = DecodeStream(ids=prime, skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:
         return self._stream.step(self._backend, token_id) or ""

@@ -59,3 +59,14 @@ def test_chat_template_matches_transformers_also_continuing_the_last_message(smo
     assert continued.endswith(messages[-1]["content"])
     with pytest.raises(ValueError, match="continue_final_message"):
         tok.apply_chat_template(messages, continue_final_message=True)  # with the generation prompt
+
+
+def test_a_prompt_cut_inside_a_character_lends_the_output_none_of_its_text(smollm2):
+    tok = smollm2.tokenizer
+    ids = tok.encode("Unicode: 日本語", add_special_tokens=False)
+    assert tok.decode(ids[:-1]).endswith("\ufffd")  # the last character's bytes are split over tokens
+    detok = tok.detokenizer(ids[:-1])
+    tail = [detok.step(t) for t in tok.encode(" hello world", add_special_tokens=False)]
+    assert "".join(tail) == " hello world"
+    detok = tok.detokenizer(ids[:-1])
+    assert "".join(detok.step(t) for t in ids[-1:] + tok.encode(" ok", add_special_tokens=False)) == "\ufffd ok"
