@@ -4,6 +4,7 @@ same tokens), keep a sampled output's distribution, and keep every scheduler and
 from __future__ import annotations
 
 import random
+import re
 from collections import Counter
 
 import pytest
@@ -137,3 +138,67 @@ def test_the_cli_takes_vllms_speculative_config_json():
     for bad in ('{"method": "eagle"}', '{"num_speculative_tokens": 0}', "{not json", '{"draft_model": "x"}'):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "--speculative-config", bad])
+
+
+class RandomProposer:
+    """Drafts of 0-3 random tokens, seeded: nearly all rejected, so every check ends in a rejection path."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+        return [self.rng.randrange(320) for _ in range(min(self.rng.randint(0, 3), max_drafts))]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_drafts_beside_grammars_logprobs_stops_aborts_and_preemption(tiny_llama, alone_outputs, seed):
+    """Every kind of request in one engine with drafts, some aborted as they run, in a cache small enough to
+    preempt: the pool's invariants hold every step, plain greedy requests give their alone outputs, grammars are
+    followed, and every block comes back."""
+    from loom import StructuredOutputParams
+
+    rng = random.Random(seed)
+    engine = make_engine(tiny_llama, max_num_seqs=6, budget=24, blocks=36)
+    engine.config.speculative = SpeculativeConfig(num_speculative_tokens=3)
+    engine.proposer = RandomProposer(seed)
+    engine.step_observers.append(lambda *_: engine.pool.check_invariants())
+    kinds = {
+        "greedy": lambda: SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.0, ignore_eos=True),
+        "sampled": lambda: SamplingParams(max_tokens=16, temperature=1.0, seed=rng.randrange(100), logprobs=2,
+                                          ignore_eos=True),
+        "grammar": lambda: SamplingParams(max_tokens=24, temperature=rng.choice([0.0, 1.0]),
+                                          structured_outputs=StructuredOutputParams(regex="[a-z]{2,5}")),
+        "stops": lambda: SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[rng.randrange(320)],
+                                        allowed_token_ids=list(range(0, 320, 3))),
+    }
+    requests = {}
+    for i in range(30):
+        kind = rng.choice(sorted(kinds))
+        prompt = [rng.randrange(1, 320) for _ in range(rng.randint(1, 30))]
+        requests[engine.add_request(prompt, kinds[kind](), request_id=str(i))] = (kind, prompt)
+    finished, aborted, step = {}, set(), 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        step += 1
+        running = [r.request_id for r in engine.scheduler.running]
+        if step % 5 == 0 and running:
+            victim = rng.choice(running)
+            finished[victim] = engine.abort(victim)
+            aborted.add(victim)
+    assert set(finished) == set(requests) and aborted and engine.scheduler.num_preemptions
+    assert engine.num_draft_tokens > 50
+    for rid, (kind, prompt) in requests.items():
+        out = finished[rid]
+        if rid in aborted:
+            assert out.finish_reason == "abort"
+        elif kind == "greedy":
+            assert out.token_ids == alone_outputs(prompt, len(out.token_ids))
+        elif kind == "grammar":
+            assert re.fullmatch("[a-z]{2,5}", out.text), out.text
+        elif kind == "sampled":
+            assert [lp.token_id for lp in out.logprobs] == out.token_ids and len(out.token_ids) == 16
+        else:
+            assert set(out.token_ids) <= set(range(0, 320, 3))
+    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
