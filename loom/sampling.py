@@ -87,6 +87,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured_outputs: StructuredOutputParams | None = None  # the output follows a JSON schema, regex, grammar...
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be picked
+    bad_words: list[str] = field(default_factory=list)  # vLLM's: words the output may not contain (as tokens)
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: as many as fit)
 
     def __post_init__(self) -> None:
@@ -135,6 +136,10 @@ class SamplingParams:
                                  f"{self.allowed_token_ids!r:.80}")
             for t in self.allowed_token_ids:
                 _check_int("allowed_token_ids", t, low=0)
+        self.bad_words = list(self.bad_words)
+        if len(self.bad_words) > MAX_STOP_STRINGS or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words: at most {MAX_STOP_STRINGS} words, each a string with more than spaces, got "
+                             f"{self.bad_words!r:.80}")
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=-1)
             if self.truncate_prompt_tokens == 0:
@@ -157,9 +162,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Penalties, a logit bias, a minimum length, structured outputs or allowed tokens: the row's logits may
-        change before it picks a token."""
-        return (self.uses_penalties or bool(self.logit_bias) or self.min_tokens > 0
+        """Penalties, a logit bias, a minimum length, bad words, structured outputs or allowed tokens: the row's
+        logits may change before it picks a token."""
+        return (self.uses_penalties or bool(self.logit_bias) or self.min_tokens > 0 or bool(self.bad_words)
                 or self.structured_outputs is not None or self.allowed_token_ids is not None)
 
     @property

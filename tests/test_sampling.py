@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from loom import LLMEngine, SamplingParams
+from loom import LLM, LLMEngine, SamplingParams
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.engine.request import Request
 from loom.model.kernels import load_argmax
@@ -290,3 +290,24 @@ def test_streamed_deltas_add_up_and_hold_back_a_possible_stop(tiny_llama):
             final = o
     assert "".join(pieces) == final.text and len(final.text) > held
     assert final.request_id == rid
+
+
+def _contains(tokens: list[int], seq: list[int]) -> bool:
+    return any(tokens[i : i + len(seq)] == seq for i in range(len(tokens) - len(seq) + 1))
+
+
+@pytest.mark.slow
+def test_bad_words_never_appear_as_their_tokens(smollm2):
+    """vLLM's bad_words: a word's tokens (at a text's start and after a space) never make up the output; the
+    one-token word is banned outright, the two-token one only after its first token."""
+    llm = LLM(loaded=smollm2, max_num_seqs=2)
+    prompt = "The capital of France is"
+    plain = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0))[0].token_ids
+    for words in (["Paris"], ["The answer"]):
+        sequences = llm.engine._bad_words_token_ids(words)
+        assert any(_contains(plain, seq) for seq in sequences), "the word must be in the plain output"
+        assert max(map(len, sequences)) == (1 if words == ["Paris"] else 2)
+        banned = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, bad_words=words))[0].token_ids
+        assert not any(_contains(banned, seq) for seq in sequences) and banned != plain
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=["  "])

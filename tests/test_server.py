@@ -369,6 +369,7 @@ BAD_REQUESTS = [
      "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [5, 999999]}, 400, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": ["  "]}, 400, "bad_words"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
      "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],

@@ -214,11 +214,22 @@ class LLMEngine:
             priority=priority,
             generator=generator,
             grammar=grammar,
+            bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
             prompt_logprobs=[] if params.prompt_logprobs is None else [None],
             stop_token_ids_held_back=sorted(
                 set(params.stop_token_ids) | set(() if params.ignore_eos else self.tokenizer.eos_token_ids)
             ) if params.min_tokens else [],
         )
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as the tokens it is written with at the start of a text and after a space (vLLM's way)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def submit(self, request: Request) -> None:
         """Queue a request made by `create_request`."""

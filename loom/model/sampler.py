@@ -44,6 +44,17 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
             logits[row, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype)
 
 
+def _ban_bad_words(logits: torch.Tensor, requests: list[Request]) -> None:
+    """In place: a bad word's last token is banned where the output ends with the tokens before it (a one-token
+    word: always), so the output never writes the word with those tokens."""
+    for row, req in enumerate(requests):
+        out = req.output_token_ids
+        banned = [seq[-1] for seq in req.bad_words_token_ids
+                  if len(seq) == 1 or (len(out) >= len(seq) - 1 and out[len(out) - len(seq) + 1 :] == seq[:-1])]
+        if banned:
+            logits[row, torch.tensor(banned, dtype=torch.long)] = float("-inf")
+
+
 def _keep_allowed(logits: torch.Tensor, requests: list[Request]) -> None:
     """In place: a request that names its allowed tokens can pick no other."""
     for row, req in enumerate(requests):
@@ -143,6 +154,7 @@ class Sampler:
             _apply_penalties(logits, requests)
             _apply_logit_bias(logits, requests)
             _hold_back_stops(logits, requests)
+            _ban_bad_words(logits, requests)
             _keep_allowed(logits, requests)
             _apply_grammars(logits, requests)
         tokens = self.greedy(logits)

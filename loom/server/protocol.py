@@ -95,6 +95,7 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: StrictBool = False  # vLLM's extra field
     skip_special_tokens: StrictBool = True  # vLLM's extra field
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's extra field
+    bad_words: list[StrictStr] | None = None  # vLLM's extra field
     truncate_prompt_tokens: StrictInt | None = None  # vLLM's extra field
     priority: StrictInt = Field(default=0, ge=-(2**31), le=2**31 - 1)  # vLLM's extra field: lower runs first
     user: StrictStr | None = None
@@ -156,6 +157,7 @@ class _SamplingFields(BaseModel):
             logit_bias=self.logit_bias_by_token(),
             structured_outputs=self.structured_output_params(),
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words or [],
             truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
