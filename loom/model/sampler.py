@@ -1,8 +1,10 @@
 """Turn one step's logits [S, V] into next tokens, per request: penalties, logit bias, stops held back until
-min_tokens and the tokens a structured output's grammar forbids masked, then greedy or filtered random sampling.
+min_tokens, bad words, allowed tokens and the tokens a structured output's grammar forbids masked, then greedy or
+filtered random sampling; and check speculation's draft tokens (`Sampler.verify`).
 
 Random draws come from each request's own torch.Generator (seeded by `seed` when given), one draw per token,
-so a seeded request samples the same tokens whatever else shares its batch.
+so a seeded request samples the same tokens whatever else shares its batch (with draft tokens, a check's draws
+depend on how many drafts the step's budget let it check).
 """
 
 from __future__ import annotations
@@ -175,7 +177,6 @@ class Sampler:
                 tokens[i] = _draw(probs[j], requests[i].generator)
         return tokens, _logprobs(raw, tokens, requests)
 
-
     def verify(self, logits: torch.Tensor, requests: list[Request],
                drafts: list[list[int]]) -> tuple[list[list[int]], list[list[TokenLogprob | None]]]:
         """Speculation's check. Request i owns 1 + len(drafts[i]) consecutive rows of `logits`: row j scores the
@@ -183,8 +184,8 @@ class Sampler:
         1 to len(drafts[i]) + 1 tokens, distributed as one-at-a-time sampling would give them. Greedy: a draft is
         accepted while it is the argmax, and the token of its own is the argmax where they part. Sampled (the
         drafts are certain proposals): draft d at a row with probabilities p is accepted with probability p(d);
-        else the token is drawn from p without d. Requests with penalties, a bias, min_tokens or a grammar take no
-        drafts; their rows go through `sample`."""
+        else the token is drawn from p without d. Requests whose logits change before sampling (penalties, a
+        bias, min_tokens, bad words, allowed tokens, a grammar) take no drafts; their rows go through `sample`."""
         if logits.dtype != torch.float32 and not all(r.params.greedy and r.params.logprobs is None for r in requests):
             logits = logits.float()
         counts = [1 + len(d) for d in drafts]
