@@ -11,9 +11,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value, either sign
-
-
-MAX_CHOICES = 1024
+MAX_CHOICES = 1024  # strings in a structured output's choice
 
 
 @dataclass

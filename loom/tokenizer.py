@@ -175,7 +175,8 @@ class Tokenizer:
 def compile_chat_template(source: str) -> Template:
     """A chat template compiled in jinja2's sandbox, with transformers' extras (`tojson`, `raise_exception`,
     `strftime_now`, loop controls); ValueError if it does not compile."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_template_error
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -185,12 +185,11 @@ class LLMEngine:
             keep = (max(1, self.max_model_len - params.max_tokens) if params.truncate_prompt_tokens == -1
                     else params.truncate_prompt_tokens)
             token_ids = token_ids[-keep:]
-        biased_outside = [t for t in params.logit_bias if t >= vocab]
-        if biased_outside:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {biased_outside[:5]}")
-        allowed_outside = [t for t in params.allowed_token_ids or [] if t >= vocab]
-        if allowed_outside:
-            raise ValueError(f"allowed_token_ids must be in [0, {vocab}), got {allowed_outside[:5]}")
+        named_ids = {"logit_bias token ids": params.logit_bias, "allowed_token_ids": params.allowed_token_ids or []}
+        for name, ids in named_ids.items():
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise ValueError(f"{name} must be in [0, {vocab}), got {outside[:5]}")
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -309,7 +308,7 @@ class LLMEngine:
         and the one token of its own after them; none for requests whose logits change before sampling."""
         for sched in out.scheduled:
             request = sched.request
-            if request.is_finished or request.num_tokens - request.num_computed_tokens != 1:
+            if request.is_finished or not request.awaits_next_token:
                 continue
             room = min(request.params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
             allowed = not request.params.adjusts_logits

@@ -80,6 +80,11 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def awaits_next_token(self) -> bool:
+        """Everything but its last token has K/V: the next step decodes it (with any draft tokens)."""
+        return self.num_tokens - self.num_computed_tokens == 1
+
+    @property
     def below_min_tokens(self) -> bool:
         return self.num_output_tokens < self.params.min_tokens
 

@@ -222,13 +222,13 @@ class ContinuousScheduler(Scheduler):
         budget = self.config.max_num_batched_tokens
         long_allowance = self._long_prefill_allowance()
         # Draft tokens take only budget that no running request's next token needs.
-        decodes_left = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        decodes_left = sum(r.awaits_next_token for r in self.running)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts: list[int] = []
-            if request.num_tokens - request.num_computed_tokens == 1:
+            if request.awaits_next_token:
                 drafts = request.draft_token_ids[: max(0, budget - decodes_left)]
                 decodes_left -= 1
             long = self._is_long_prefill(request)
@@ -284,7 +284,7 @@ class ContinuousScheduler(Scheduler):
 
     def _long_prefill_allowance(self) -> float:
         """Token-equivalents long prompts may take this step: no limit unless someone is decoding."""
-        decoding = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        decoding = sum(r.awaits_next_token for r in self.running)
         if not decoding or not self.config.long_prefill_chunk_tokens:
             return math.inf
         return max(self.config.long_prefill_chunk_tokens, decoding)

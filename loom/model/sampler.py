@@ -18,6 +18,7 @@ import torch
 from loom.engine.request import Request, TokenLogprob
 from loom.engine.structured_output import forbidden_tokens
 from loom.model.kernels import load_argmax
+from loom.sampling import SamplingParams
 
 
 def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -100,6 +101,15 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's sampling distribution: its logits over its temperature, outside its top-k / top-p / min-p masked."""
+    tempered = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    if any(p.uses_filters for p in params):
+        tempered = _filter(tempered, torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]),
+                           torch.tensor([p.min_p for p in params]))
+    return tempered.softmax(-1)
+
+
 def score_tokens(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprob]:
     """Each row's log-probability of its token in `token_ids` and, if top > 0, the row's `top` best tokens."""
     logp = logits.float().log_softmax(-1)
@@ -163,16 +173,7 @@ class Sampler:
 
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if rows:
-            params = [requests[i].params for i in rows]
-            sub = logits[rows] / torch.tensor([p.temperature for p in params]).unsqueeze(1)
-            if any(p.uses_filters for p in params):
-                sub = _filter(
-                    sub,
-                    torch.tensor([p.top_k for p in params]),
-                    torch.tensor([p.top_p for p in params]),
-                    torch.tensor([p.min_p for p in params]),
-                )
-            probs = sub.softmax(-1)
+            probs = _probabilities(logits[rows], [requests[i].params for i in rows])
             for j, i in enumerate(rows):
                 tokens[i] = _draw(probs[j], requests[i].generator)
         return tokens, _logprobs(raw, tokens, requests)
@@ -195,12 +196,7 @@ class Sampler:
         probs_of: dict[int, torch.Tensor] = {}
         if sampled:
             rows = [row for i in sampled for row in range(starts[i], starts[i + 1])]
-            params = [requests[i].params for i in sampled for _ in range(counts[i])]
-            sub = logits[rows] / torch.tensor([p.temperature for p in params]).unsqueeze(1)
-            if any(p.uses_filters for p in params):
-                sub = _filter(sub, torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]),
-                              torch.tensor([p.min_p for p in params]))
-            probs = sub.softmax(-1)
+            probs = _probabilities(logits[rows], [requests[i].params for i in sampled for _ in range(counts[i])])
             offset = 0
             for i in sampled:
                 probs_of[i] = probs[offset : offset + counts[i]]

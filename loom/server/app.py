@@ -169,13 +169,17 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError(400, f"model {name!r} does not exist; this server serves {model_name!r}", param="model",
                            code="model_not_found")
 
-    def template_options(body: TokenizeRequest | ChatCompletionRequest) -> dict:
-        """A request's own chat template (only where the server trusts them: a template is code, and a costly one
-        would hold the server's event loop) and its template variables."""
+    def render_chat(body: TokenizeRequest | ChatCompletionRequest, tools: list[dict] | None = None) -> str:
+        """A request's messages through the chat template with its options; its own template only where the server
+        trusts them (a template is code, and a costly one would hold the server's event loop)."""
         if body.chat_template is not None and not trust_request_chat_template:
             raise ValueError("chat_template: this server does not take chat templates from requests (start it with "
                              "--trust-request-chat-template)")
-        return {"chat_template": body.chat_template, "template_kwargs": body.chat_template_kwargs}
+        return tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages],
+                                             add_generation_prompt=body.add_generation_prompt,
+                                             continue_final_message=body.continue_final_message, tools=tools,
+                                             chat_template=body.chat_template,
+                                             template_kwargs=body.chat_template_kwargs)
 
     def add_streams(prompts: list[str | list[int]], n: int, make_params, base_id: str,
                     priority: int) -> list[RequestStream]:
@@ -325,10 +329,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         try:
             if body.messages is not None:
-                text = tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages],
-                                                     add_generation_prompt=body.add_generation_prompt,
-                                                     continue_final_message=body.continue_final_message,
-                                                     **template_options(body))
+                text = render_chat(body)
                 tokens = tokenizer.encode(text, add_special_tokens=False)
             else:
                 tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
@@ -443,10 +444,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             if top is not None and not body.logprobs:
                 raise ValueError("top_logprobs requires logprobs to be true")
             logprobs = (top or 0) if body.logprobs else None
-            text = tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages],
-                                                 add_generation_prompt=body.add_generation_prompt,
-                                                 continue_final_message=body.continue_final_message,
-                                                 tools=body.tool_dicts(), **template_options(body))
+            text = render_chat(body, body.tool_dicts())
             prompt_ids = tokenizer.encode(text, add_special_tokens=False)
             if max_tokens is None:  # OpenAI's default: as much as the context allows
                 max_tokens = max(1, max_model_len - len(prompt_ids))

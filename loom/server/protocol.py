@@ -68,9 +68,7 @@ class StructuredOutputsField(BaseModel):
     disable_any_whitespace: StrictBool = False
 
     def params(self) -> StructuredOutputParams:
-        return StructuredOutputParams(json=self.json_, json_object=self.json_object, regex=self.regex,
-                                      choice=self.choice, grammar=self.grammar,
-                                      disable_any_whitespace=self.disable_any_whitespace)
+        return StructuredOutputParams(**self.model_dump(by_alias=True))
 
 
 class _SamplingFields(BaseModel):
