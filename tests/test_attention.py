@@ -8,6 +8,7 @@ import torch
 from loom.engine.kv_cache import KVCacheSpec
 from loom.model.attention import KVCache, write_kv
 from loom.model.kernels import load_paged_attention
+from loom.model.kv_quant import quantize_heads
 
 from conftest import torch_threads
 
@@ -273,6 +274,50 @@ def test_a_prompt_gets_the_same_bits_in_any_chunks(kernel, dtype):
                                          torch.tensor([0, hi - lo]), 0, part, 0.125)
                 chunked[lo:hi] = part
             assert torch.equal(chunked, whole), f"{num_threads} threads"
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32)])
+def test_short_chunks_in_one_call_get_the_bits_of_whole_prompts(kernel, heads, kv_heads, head_dim, int8):
+    """Many chunks of under 16 tokens (a verification step's last tokens and drafts) go a sequence a work item, every
+    KV head from one pass over its blocks, their query heads packed 16 lanes a tile: each row still gets the bits it
+    gets in its whole prompt, prefilled alone (KV head by KV head, a head's tokens 16 a tile), on one thread or two,
+    and with a long chunk in the same call."""
+    gen = torch.Generator().manual_seed(heads + head_dim + int8)
+    block_size = 16
+    lens = [40, 300, 513, 17, 1000, 64, 5, 260]
+    chunk_lens = [1, 7, 6, 15, 2, 5, 3, 4]
+    max_blocks = -(-max(lens) // block_size)
+    num_blocks = len(lens) * max_blocks + 1
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    if int8:
+        caches = [quantize_heads(torch.randn(shape, generator=gen)) for _ in range(2)]
+        k_cache, v_cache, extra = caches[0][0], caches[1][0], (caches[0][1], caches[1][1])
+    else:
+        k_cache = torch.randn(shape, generator=gen).bfloat16()
+        v_cache = torch.randn(shape, generator=gen).bfloat16()
+        extra = ()
+    tables = (torch.randperm(num_blocks - 1, generator=gen) + 1)[: len(lens) * max_blocks].view(len(lens), -1)
+    prompts = [torch.randn(n, heads, head_dim, generator=gen).bfloat16() for n in lens]
+    scale = head_dim**-0.5
+    whole = []
+    for i, n in enumerate(lens):
+        out = torch.empty_like(prompts[i])
+        kernel.prefill_attention(prompts[i], k_cache, v_cache, tables[i : i + 1], torch.tensor([n]),
+                                 torch.tensor([0, n]), 0, out, scale, *extra)
+        whole.append(out)
+    for with_long_chunk in (False, True):
+        # The last sequence's chunk is 200 tokens long in the second call: items of one KV head for it alone.
+        q_lens = chunk_lens[:-1] + [200 if with_long_chunk else chunk_lens[-1]]
+        starts = torch.tensor([0] + q_lens).cumsum(0)
+        q = torch.cat([p[n - m :] for p, n, m in zip(prompts, lens, q_lens)])
+        for num_threads in (1, 2):
+            with torch_threads(num_threads):
+                out = torch.full_like(q, float("nan"))
+                kernel.prefill_attention(q, k_cache, v_cache, tables, torch.tensor(lens), starts, 0, out, scale,
+                                         *extra)
+            for i, (n, m) in enumerate(zip(lens, q_lens)):
+                assert torch.equal(out[int(starts[i]) : int(starts[i + 1])], whole[i][n - m :]), (i, num_threads)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -33,6 +33,14 @@ class StepResult:
     logits_seconds: float  # final norm and LM head of the sampled rows (0 when none samples)
 
 
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows]: a view where the rows run on one after another (every row of a step whose requests all check
+    drafts: copying 384 rows of SmolLM2's logits took ~10 ms), else a copy."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return logits[rows[0] : rows[0] + len(rows)]
+    return logits.index_select(0, torch.tensor(rows))
+
+
 class ModelRunner:
     """Owns the model, its paged KV tensors, the attention backend and the sampler."""
 
@@ -78,11 +86,10 @@ class ModelRunner:
         spec = [j for j, count in enumerate(meta.sample_counts) if count > 1]
         results = []
         if plain:
-            rows = torch.tensor([starts[j] for j in plain])
-            sampled, lps = self.sampler.sample(logits.index_select(0, rows), [requests[j] for j in plain])
+            sampled, lps = self.sampler.sample(_rows(logits, [starts[j] for j in plain]), [requests[j] for j in plain])
             results += [(index[j], [tok], [lp]) for j, tok, lp in zip(plain, sampled, lps)]
-        rows = torch.tensor([row for j in spec for row in range(starts[j], starts[j + 1])])
-        emitted, lps = self.sampler.verify(logits.index_select(0, rows), [requests[j] for j in spec],
+        rows = [row for j in spec for row in range(starts[j], starts[j + 1])]
+        emitted, lps = self.sampler.verify(_rows(logits, rows), [requests[j] for j in spec],
                                            [out.scheduled[index[j]].draft_token_ids for j in spec])
         return results + [(index[j], toks, lp) for j, toks, lp in zip(spec, emitted, lps)]
 

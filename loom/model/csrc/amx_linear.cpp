@@ -64,6 +64,7 @@ constexpr int64_t kSliceMaxChunks = 18;  // k chunks of an x row block pair that
 // in one range) gained in o and down but lost in gate/up (thirty-third session, docs/benchmarks.md).
 constexpr int64_t kRangeTiles = 576;
 constexpr int64_t kSubPassTiles = 3 * kBlockRows / kRows;  // sums tiles of a sub-pass: a pass's 16 groups of 3
+constexpr int64_t kSplitBlocks = 8;  // row blocks a thread from which threads split rows, not panels (below)
 
 using bf16 = c10::BFloat16;
 using loom::amx::configure_tiles;
@@ -355,9 +356,13 @@ struct RecordTiles {
 // pairs) did not move: 1150.6 / 1126.4 / 1108.4 against 1125.6 / 1110.8 / 1138.8 tok/s, as few of its steps have
 // 512 rows. For fewer rows (panels split among threads) a 64 x 200 decode step's forward went 32.6 -> 33.6 ms: each
 // dequantized tile then serves 4 row blocks, and is better used straight from L1, so those keep the passes below.
-// Splitting rows from 8 row blocks a thread instead of 16: one prompt's forward, ten-odd alternating rounds, 256
-// tokens 44.4 -> 41.6 ms, 384 tokens 66.8 -> 57.4 (128 tokens, 4 blocks a thread, 24.4 -> 26.3); but the mixed
-// workload, three alternating pairs, 1139.8 / 1165.9 / 1144.6 -> 1104.6 / 1142.0 / 1123.7 tok/s, so 16 stays.
+// Rows are split from kSplitBlocks row blocks a thread (8: 256 rows on two threads). Against 16 (thirty-first
+// session): one prompt's forward, ten-odd alternating rounds, 256 tokens 44.4 -> 41.6 ms, 384 tokens 66.8 -> 57.4
+// (128 tokens, 4 blocks a thread, 24.4 -> 26.3); 30 layers' matmuls alone (forty-seventh session) at 320 / 384 / 448
+// rows 39.3 / 46.0 / 50.6 -> 31.3 / 38.1 / 39.7 ms. The mixed workload, alternating processes, tok/s: 1139.8 /
+// 1165.9 / 1144.6 -> 1104.6 / 1142.0 / 1123.7 then, 1253.7 / 1220.5 / 1232.8 -> 1249.1 / 1219.3 / 1286.3 now; with
+// prompt lookup's 5 drafts, whose checks are steps of 128-384 rows, 2471.6 / 2411.4 / 2457.1 -> 2528.7 / 2658.8 /
+// 2757.3.
 // The range's tiles and the groups' sums live in per-thread buffers kept between calls: allocated per call (mapped
 // fresh, 0.6 MB a thread), their page faults took half the gain (a prefill 423 -> 405 ms instead).
 template <typename Weights, typename RowBlockOf>
@@ -454,16 +459,16 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const Wei
   // Threads split the panel groups: each weight tile is read by one thread, once per pass over the rows. Each
   // thread makes all the passes over its own panels, with no barrier between passes (the passes write disjoint
   // rows of y).
-  // Where each thread would get at least a whole pass of rows (a prefill's, a big MLP chunk's), they split the rows
-  // instead, in even runs of row blocks (rows_against_panel_ranges): a thread's rows of y are then in its own L2
-  // when its part of the next call reads them (the gate/up product for down; the norms split rows the same way),
-  // where with panels split half of every row came from the other core. A 2048-token bfloat16 prefill,
+  // Where each thread would get at least kSplitBlocks row blocks (a prefill's, a big MLP chunk's, a check of drafts),
+  // they split the rows instead, in even runs of row blocks (rows_against_panel_ranges): a thread's rows of y are
+  // then in its own L2 when its part of the next call reads them (the gate/up product for down; the norms split rows
+  // the same way), where with panels split half of every row came from the other core. A 2048-token bfloat16 prefill,
   // alternating processes, medians of 7 (with 512-row MLP chunks, llama.py; each thread then still in passes over
   // every panel group): 474 / 459 / 429 / 446 -> 406 / 418 / 421 / 430 ms (down 67-68 -> 55-58 ms, o 27-29 -> 23,
   // qkv 45-47 -> 41-43).
   const int64_t threads = at::get_num_threads();
   const int64_t num_groups = (num_panels + group_panels - 1) / group_panels;
-  const bool rows_split = threads > 1 && num_blocks >= threads * blocks_per_pass;
+  const bool rows_split = threads > 1 && num_blocks >= threads * kSplitBlocks;
   at::parallel_for(0, rows_split ? threads : num_groups, 1, [&](int64_t i0, int64_t i1) {
     configure_tiles(static_cast<int>(x_tile_rows));
     if (rows_split) {
