@@ -13,6 +13,7 @@ import torch
 
 from loom.config import EngineConfig, SchedulerConfig
 from loom.engine.kv_cache import BlockPool, KVCacheSpec
+from loom.engine.host_memory import keep_large_allocations
 from loom.engine.ngram_proposer import NgramProposer
 from loom.engine.request import Request, TokenLogprob
 from loom.engine.runner import ModelRunner, StepResult
@@ -117,6 +118,7 @@ class LLMEngine:
         self.proposer = NgramProposer(self.config.speculative) if self.config.speculative is not None else None
         self.num_draft_tokens = 0  # speculation: draft tokens checked, and those accepted
         self.num_accepted_tokens = 0
+        keep_large_allocations()  # a step's big buffers (logits of many rows) reused, not faulted in (host_memory.py)
 
     @contextmanager
     def observing(self, observer: StepObserver) -> Iterator[None]:
