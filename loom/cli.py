@@ -49,7 +49,8 @@ def _engine_args(p: argparse.ArgumentParser, kv_cache_gib: float, one_setting: b
     p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                    help='vLLM\'s n-gram speculation, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\': draft tokens looked up in the context, '
-                        'checked in one step (continuous policy)')
+                        'checked in one step (continuous policy); "num_speculative_tokens_per_batch_size": '
+                        '[[start, end, k], ...] caps the drafts at k while start..end requests run')
     p.add_argument("--threads", type=int, default=None)
 
 

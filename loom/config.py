@@ -83,6 +83,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    # vLLM's dynamic speculation: [start, end, k] entries, k drafts at most while start <= running requests <= end
+    # (num_speculative_tokens outside every range). A draft's row costs most where many requests run: at 64 a
+    # step's matmuls at 128 rows take 20-23 ms against 13 at 64 (docs/benchmarks.md).
+    num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
@@ -92,6 +96,27 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
                              f"{self.prompt_lookup_max}")
+        ranges = self.num_speculative_tokens_per_batch_size
+        if ranges is not None:
+            if not all(isinstance(r, (list, tuple)) and len(r) == 3 and all(type(x) is int for x in r)
+                       for r in ranges):
+                raise ValueError("num_speculative_tokens_per_batch_size takes [start, end, k] entries of integers, "
+                                 f"got {ranges!r}")
+            self.num_speculative_tokens_per_batch_size = ranges = sorted(tuple(r) for r in ranges)
+            for start, end, k in ranges:
+                if not 1 <= start <= end or not 0 <= k <= self.num_speculative_tokens:
+                    raise ValueError(f"[{start}, {end}, {k}] needs 1 <= start <= end and 0 <= k <= "
+                                     f"num_speculative_tokens ({self.num_speculative_tokens})")
+            for (_, end, _), (start, _, _) in zip(ranges, ranges[1:]):
+                if start <= end:
+                    raise ValueError(f"num_speculative_tokens_per_batch_size's ranges overlap: {ranges}")
+
+    def drafts_for(self, running: int) -> int:
+        """The most drafts a request takes while `running` requests run."""
+        for start, end, k in self.num_speculative_tokens_per_batch_size or []:
+            if start <= running <= end:
+                return k
+        return self.num_speculative_tokens
 
 
 @dataclass

@@ -140,6 +140,53 @@ def test_the_cli_takes_vllms_speculative_config_json():
             build_parser().parse_args(["serve", "--speculative-config", bad])
 
 
+def test_drafts_follow_the_number_of_running_requests(tiny_llama, alone_outputs):
+    """vLLM's num_speculative_tokens_per_batch_size: no drafts while 4-6 requests run, at most 1 while 2-3 do, the
+    full 4 alone; the outputs stay each request's alone output."""
+    rng = random.Random(5)
+    workload = random_workload(rng, 12, 320)
+    expected = {i: alone_outputs(p, n) for i, (p, n) in enumerate(workload)}
+    engine = make_engine(tiny_llama, max_num_seqs=6, budget=40, blocks=96)
+    engine.config.speculative = SpeculativeConfig(num_speculative_tokens=4,
+                                                  num_speculative_tokens_per_batch_size=[[4, 6, 0], [2, 3, 1]])
+    engine.proposer = OracleProposer({tuple(p): expected[i] for i, (p, _) in enumerate(workload)}, 4)
+    drafts_by_running: dict[int, int] = {}
+    running_before = [0]
+
+    def observe(out, *_):
+        # The drafts this step checks were proposed after the previous step, with running_before[0] requests.
+        most = max((len(s.draft_token_ids) for s in out.scheduled), default=0)
+        drafts_by_running[running_before[0]] = max(drafts_by_running.get(running_before[0], 0), most)
+        running_before[0] = len(engine.scheduler.running)
+
+    engine.step_observers.append(observe)
+    got = drive(engine, workload, [rng.randint(0, 10) for _ in workload])
+    assert got == expected
+    assert all(most == 0 for running, most in drafts_by_running.items() if running >= 4)
+    assert all(most <= 1 for running, most in drafts_by_running.items() if running in (2, 3))
+    assert drafts_by_running.get(1) == 4 and max(drafts_by_running[r] for r in (2, 3) if r in drafts_by_running) == 1
+
+
+@pytest.mark.parametrize("ranges,message", [
+    ([[1, 8, 2], [8, 16, 1]], "overlap"),
+    ([[1, 8, 5]], "0 <= k"),
+    ([[0, 8, 1]], "1 <= start"),
+    ([[9, 8, 1]], "start <= end"),
+    ([[1, 8]], "entries"),
+    ([[1, 8, 1.5]], "entries"),
+])
+def test_bad_per_batch_size_drafts_are_refused(ranges, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig(num_speculative_tokens=3, num_speculative_tokens_per_batch_size=ranges)
+
+
+def test_per_batch_size_drafts_from_the_command_line():
+    args = build_parser().parse_args(["serve", "--speculative-config", '{"num_speculative_tokens": 5, '
+                                      '"num_speculative_tokens_per_batch_size": [[17, 64, 0], [1, 16, 3]]}'])
+    config = args.speculative_config
+    assert [config.drafts_for(n) for n in (1, 16, 17, 64, 65)] == [3, 3, 0, 0, 5]
+
+
 class RandomProposer:
     """Drafts of 0-3 random tokens, seeded: nearly all rejected, so every check ends in a rejection path."""
 

@@ -307,15 +307,17 @@ class LLMEngine:
 
     def _propose(self, out: SchedulerOutput) -> None:
         """Draft tokens for each request that now awaits its next token, as far as its limits leave room for them
-        and the one token of its own after them; none for requests whose logits change before sampling."""
+        and the one token of its own after them, and as many as the running requests' number allows; none for
+        requests whose logits change before sampling."""
+        most = self.config.speculative.drafts_for(len(self.scheduler.running))
         for sched in out.scheduled:
             request = sched.request
             if request.is_finished or not request.awaits_next_token:
                 continue
             room = min(request.params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
-            allowed = not request.params.adjusts_logits
-            request.draft_token_ids = (self.proposer.propose(request.token_ids(0, request.num_tokens), room - 1)
-                                       if allowed else [])
+            allowed = most > 0 and not request.params.adjusts_logits
+            request.draft_token_ids = (self.proposer.propose(request.token_ids(0, request.num_tokens),
+                                                             min(most, room - 1)) if allowed else [])
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         params = request.params
