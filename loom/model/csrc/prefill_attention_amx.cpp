@@ -354,9 +354,9 @@ void attend_tile(const bf16* q, const TileLanes& lanes, int64_t first_pos, const
     float* s = scratch.s.data() + (i % 2) * kStep * 16;
     if (k0 + kStep <= last_pos) compute_scores(k0 + kStep, scratch.s.data() + ((i + 1) % 2) * kStep * 16);
     // Scores stay raw: each probability is 2^(score * log2_scale - maximum), one FMA, and maxima are taken of the raw
-    // scores (scaling is monotonic). Keys past a lane's position exist only in the steps that reach the tile's first
-    // lanes' first position. `probabilities` stores P^T against the given maxima and sums them into row_sums; `step_maxima` is a
-    // pass of maxima alone (scaled).
+    // scores (scaling is monotonic). Keys past a lane's position exist only in the steps that reach the tile's
+    // lowest lane position. `probabilities` stores P^T against the given maxima and sums them into row_sums;
+    // `step_maxima` is a pass of maxima alone (scaled).
     const bool reaches_first = k0 + kStep - 1 > first_lane_pos;
     const __m512 scale_v = _mm512_set1_ps(log2_scale);
     V16 row_sums;
