@@ -253,16 +253,19 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(off, kv_cache_gib=4.0, one_setting=False)
     off.set_defaults(func=cmd_bench_offline)
 
-    pf = bsub.add_parser("perf", help="roofline figures: matmul peak, decode and prefill steps, memory; JSON lines")
+    pf = bsub.add_parser("perf", help="roofline figures: matmul peak, decode, prefill and draft-checking steps, "
+                                      "memory; JSON lines")
     pf.add_argument("--model", default=None, help="a .gguf file or HF model directory (default: bundled SmolLM2)")
     pf.add_argument("--dtypes", default="float32,bfloat16")
-    pf.add_argument("--figures", default="peak,decode,prefill,interference,memory,agreement")
+    pf.add_argument("--figures", default="peak,decode,prefill,verify,interference,memory,agreement")
     pf.add_argument("--interference-budgets", default="128,256,512", help="max_num_batched_tokens values to try")
     pf.add_argument("--interference-pacing", default="32,0",
                     help="long_prefill_chunk_tokens values to try with each budget (0: no pacing)")
     pf.add_argument("--context", type=int, default=512, help="prompt tokens of each request in the decode figure")
     pf.add_argument("--decode-batches", default="1,64", help="running requests in the decode figure")
     pf.add_argument("--prefill-tokens", type=int, default=2048)
+    pf.add_argument("--verify-batch", type=int, default=64, help="running requests in the verify figure")
+    pf.add_argument("--verify-drafts", default="0,1,3,5", help="drafts each request checks a step, one run each")
     pf.add_argument("--kv-cache-memory", type=float, default=3.0, help="GiB")
     pf.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                     help="the KV cache of every figure's engine; the agreement figure's float32 run keeps auto")

@@ -150,7 +150,7 @@ def test_shared_prefix_workload_shares_its_system_prompt(smollm2):
 
 def test_perf_figures_on_a_tiny_model(tiny_llama):
     from loom.bench.matmul_timing import shape_gflops
-    from loom.bench.perf import decode_step, matmul_peak, prefill, prefill_interference
+    from loom.bench.perf import decode_step, matmul_peak, prefill, prefill_interference, verify_steps
 
     engine = LLMEngine(EngineConfig(scheduler=SchedulerConfig(8, 256), cache=CacheConfig(num_kv_blocks=256,
                                                                                          enable_prefix_caching=False)),
@@ -183,6 +183,12 @@ def test_perf_figures_on_a_tiny_model(tiny_llama):
     assert len(pre["fraction_of_round_peak_by_round"]) == 3 and all(p > 0 for p in pre["round_peak_gflops_by_round"])
     assert pre["fraction_of_round_peak_by_round"] == pytest.approx(by_round, rel=0.02, abs=2e-3)
     assert pre["fraction_of_round_peak"] == pytest.approx(statistics.median(by_round), rel=0.02, abs=2e-3)
+    drafts_before = engine.num_draft_tokens
+    checks = verify_steps(engine, batch=4, context=20, drafts=(0, 2), rounds=3)
+    assert engine.num_draft_tokens - drafts_before >= 4 * 2 * 4  # 2 drafts a request in each timed step and one more
+    assert checks["rows_by_drafts"] == {0: 4, 2: 12} and all(ms > 0 for ms in checks["step_ms_by_drafts"].values())
+    assert checks["step_over_no_drafts"][0] == 1.0 and engine.config.speculative is None and engine.proposer is None
+    assert not engine.has_unfinished_requests()
     unpaced = prefill_interference(engine, budget=16, long_prefill_chunk_tokens=0, decoding=3, context=8,
                                    long_prompt=60)
     assert unpaced["prefill_steps"] == 5 and unpaced["itl_p99_ratio"] > 0  # 13 prompt tokens beside 3 decodes

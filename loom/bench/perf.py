@@ -7,6 +7,8 @@
   and how much of the step is spent outside the model forward (scheduling, metadata, sampling, bookkeeping).
 - prefill: one long prompt alone, as achieved model FLOP/s and as a fraction of the measured peak (and of that
   peak's own matmul timed again right after each prompt).
+- verify: steps that check speculation's drafts (B requests at C tokens of context, each checking d drafts a step)
+  against a step that checks none.
 - serve_memory: peak RSS of a `loom serve` process on the model after a short burst of requests.
 - prefill_interference: p99 inter-token latency of 32 decoding requests while a 4000-token prompt is prefilled,
   per token budget (the chunked-prefill trade-off).
@@ -37,7 +39,7 @@ from loom.bench.memory_roofline import read_bandwidth, weight_bytes
 from loom.bench.offline import emit, run_once
 from loom.bench.serve_client import free_loopback_port, wait_until_healthy
 from loom.bench.workloads import mixed_workload
-from loom.config import CacheConfig, EngineConfig, SchedulerConfig
+from loom.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from loom.engine.batch import build_batch_metadata
 from loom.engine.engine import LLMEngine
 from loom.engine.runner import StepResult
@@ -178,6 +180,58 @@ def prefill(engine: LLMEngine, prompt_tokens: int, peak_gflops: float, repeats: 
     return figures
 
 
+@dataclasses.dataclass
+class FixedDrafts:
+    """A proposer that always drafts `count` tokens (the context's last token repeated, so nearly all are
+    rejected): a check costs the same whether its drafts hold or not, and every step checks as many."""
+
+    count: int
+
+    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+        return [token_ids[-1]] * min(self.count, max_drafts)
+
+
+@torch.inference_mode()
+def verify_steps(engine: LLMEngine, batch: int, context: int, drafts: tuple[int, ...] = (0, 1, 3, 5),
+                 rounds: int = 7, seed: int = 2) -> dict:
+    """For each d in `drafts`: `batch` requests of `context` random prompt tokens, past their prompts, each checking d
+    drafts a step (FixedDrafts); the median of `rounds` whole steps, against d = 0's. The engine's own speculation
+    settings are put back afterwards."""
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    saved = engine.config.speculative, engine.proposer
+    engine.config.speculative = SpeculativeConfig(num_speculative_tokens=max(max(drafts), 1))
+    step_ms: dict[int, float] = {}
+    try:
+        for d in drafts:
+            engine.proposer = FixedDrafts(d)
+            # Room for the steps that prefill the others (the first requests decode meanwhile), then the timed ones.
+            params = SamplingParams(max_tokens=128 + (rounds + 3) * (d + 1), temperature=0.0, ignore_eos=True)
+            ids = [engine.add_request(_random_prompt(rng, context, vocab), params) for _ in range(batch)]
+            while any(engine.requests[i].num_output_tokens == 0 for i in ids):
+                engine.step()
+            engine.step()  # the first step whose requests all check d drafts (proposed after the step before)
+            times = []
+            for _ in range(rounds):
+                started = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - started)
+            step_ms[d] = statistics.median(times) * 1e3
+            for i in ids:
+                engine.abort(i)
+    finally:
+        engine.config.speculative, engine.proposer = saved
+    base = step_ms.get(0)
+    return {
+        "batch": batch,
+        "context_tokens": context,
+        "rounds": rounds,
+        "step_ms_by_drafts": {d: round(ms, 2) for d, ms in step_ms.items()},
+        "rows_by_drafts": {d: batch * (d + 1) for d in step_ms},
+        "step_over_no_drafts": {d: round(ms / base, 2) for d, ms in step_ms.items()} if base else None,
+    }
+
+
 @torch.inference_mode()
 def prefill_interference(engine: LLMEngine, budget: int, long_prefill_chunk_tokens: int, decoding: int = 32,
                          context: int = 256, long_prompt: int = 4000, seed: int = 2) -> dict:
@@ -292,6 +346,9 @@ def main(args: argparse.Namespace) -> int:
             emit({"figure": "prefill", **base, **prefill(
                 engine, args.prefill_tokens, peak["peak_gflops"],
                 round_peak=lambda: shape_gflops(models[best], *peaks[best]["peak_rows_shape"]))})
+        if "verify" in figures:
+            drafts = tuple(int(d) for d in args.verify_drafts.split(","))
+            emit({"figure": "verify", **base, **verify_steps(engine, args.verify_batch, args.context, drafts)})
         if "interference" in figures:
             for budget in (int(b) for b in args.interference_budgets.split(",")):
                 for pacing in (int(c) for c in args.interference_pacing.split(",")):
