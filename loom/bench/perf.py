@@ -60,6 +60,16 @@ def _random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(n)]
 
 
+def _running(engine: LLMEngine, rng: random.Random, count: int, context: int, params: SamplingParams) -> list[str]:
+    """`count` requests of `context` random prompt tokens, stepped until each has its first output token (all past
+    their prompts); their ids."""
+    vocab = engine.model_config.vocab_size
+    ids = [engine.add_request(_random_prompt(rng, context, vocab), params) for _ in range(count)]
+    while any(engine.requests[i].num_output_tokens == 0 for i in ids):
+        engine.step()
+    return ids
+
+
 @torch.inference_mode()
 def decode_step(engine: LLMEngine, batch: int, context: int, bandwidth: float, seed: int = 0,
                 rounds: int = 7) -> dict:
@@ -71,15 +81,8 @@ def decode_step(engine: LLMEngine, batch: int, context: int, bandwidth: float, s
 
     Beside the times: the step's floors at `bandwidth` bytes/s (its matmuls stream every weight once; the step adds
     every request's K/V once), whose ratio is the lowest step_over_matmuls that memory allows."""
-    rng = random.Random(seed)
-    vocab = engine.model_config.vocab_size
-    ids = [
-        engine.add_request(_random_prompt(rng, context, vocab), SamplingParams(max_tokens=64 + rounds, temperature=0.0,
-                                                                               ignore_eos=True))
-        for _ in range(batch)
-    ]
-    while any(engine.requests[i].num_output_tokens == 0 for i in ids):
-        engine.step()
+    ids = _running(engine, random.Random(seed), batch, context,
+                   SamplingParams(max_tokens=64 + rounds, temperature=0.0, ignore_eos=True))
     runner = engine.runner
     model = runner.model
     engine.step()  # warm-up
@@ -198,7 +201,6 @@ def verify_steps(engine: LLMEngine, batch: int, context: int, drafts: tuple[int,
     drafts a step (FixedDrafts); the median of `rounds` whole steps, against d = 0's. The engine's own speculation
     settings are put back afterwards."""
     rng = random.Random(seed)
-    vocab = engine.model_config.vocab_size
     saved = engine.config.speculative, engine.proposer
     engine.config.speculative = SpeculativeConfig(num_speculative_tokens=max(max(drafts), 1))
     step_ms: dict[int, float] = {}
@@ -207,9 +209,7 @@ def verify_steps(engine: LLMEngine, batch: int, context: int, drafts: tuple[int,
             engine.proposer = FixedDrafts(d)
             # Room for the steps that prefill the others (the first requests decode meanwhile), then the timed ones.
             params = SamplingParams(max_tokens=128 + (rounds + 3) * (d + 1), temperature=0.0, ignore_eos=True)
-            ids = [engine.add_request(_random_prompt(rng, context, vocab), params) for _ in range(batch)]
-            while any(engine.requests[i].num_output_tokens == 0 for i in ids):
-                engine.step()
+            ids = _running(engine, rng, batch, context, params)
             engine.step()  # the first step whose requests all check d drafts (proposed after the step before)
             times = []
             for _ in range(rounds):
@@ -249,9 +249,7 @@ def prefill_interference(engine: LLMEngine, budget: int, long_prefill_chunk_toke
     engine.set_scheduler(SchedulerConfig(max_num_seqs=decoding + 1, max_num_batched_tokens=budget,
                                          long_prefill_chunk_tokens=long_prefill_chunk_tokens))
     params = SamplingParams(max_tokens=engine.max_model_len - context, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(_random_prompt(rng, context, vocab), params) for _ in range(decoding)]
-    while any(engine.requests[i].num_output_tokens == 0 for i in ids):
-        engine.step()
+    ids = _running(engine, rng, decoding, context, params)
     step_times: list[float] = []
     with engine.observing(lambda out, result, outputs, seconds: step_times.append(seconds)):
         for _ in range(18):  # 16 steps after 2 of warm-up: enough for a p99 that is not one unlucky step
