@@ -479,7 +479,7 @@ bool prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& k_cache,
   const bf16* q_data = q.data_ptr<bf16>();
   const bool int8 = g.k_scales != nullptr;
   bf16* out_data = out.data_ptr<bf16>();
-  const int64_t scratch_heads = whole_rows && short_chunks ? g.num_kv_heads : 1;
+  const int64_t scratch_heads = whole_rows ? g.num_kv_heads : 1;
   loom::for_each_item(
       static_cast<int64_t>(items.size()), [&] { return Scratch(g, max_keys, scratch_heads); },
       [&](int64_t i, Scratch& scratch) {
