@@ -50,7 +50,9 @@ def _engine_args(p: argparse.ArgumentParser, kv_cache_gib: float, one_setting: b
                    help='vLLM\'s n-gram speculation, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\': draft tokens looked up in the context, '
                         'checked in one step (continuous policy); "num_speculative_tokens_per_batch_size": '
-                        '[[start, end, k], ...] caps the drafts at k while start..end requests run')
+                        '[[start, end, k], ...] caps the drafts at k while start..end requests run; '
+                        '"num_speculative_tokens_schedule": "heuristic" moves each request\'s limit by its checks '
+                        '(transformers\' rule: +2 when all drafts held, -1 otherwise)')
     p.add_argument("--threads", type=int, default=None)
 
 

@@ -87,6 +87,11 @@ class SpeculativeConfig:
     # (num_speculative_tokens outside every range). A draft's row costs most where many requests run: at 64 a
     # step's matmuls at 128 rows take 20-23 ms against 13 at 64 (docs/benchmarks.md).
     num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None
+    # "constant": every request drafts up to num_speculative_tokens (vLLM). "heuristic": transformers' schedule of
+    # the same name (num_assistant_tokens_schedule), per request: two more drafts after a check whose drafts all
+    # held, one fewer (not under 1) after one that rejected any; each request starts at 2 and never passes
+    # num_speculative_tokens. Text that repeats itself grows to the cap; text that drafts miss costs a draft a step.
+    num_speculative_tokens_schedule: str = "constant"
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
@@ -96,6 +101,9 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
                              f"{self.prompt_lookup_max}")
+        if self.num_speculative_tokens_schedule not in ("constant", "heuristic"):
+            raise ValueError("num_speculative_tokens_schedule must be 'constant' or 'heuristic', got "
+                             f"{self.num_speculative_tokens_schedule!r}")
         ranges = self.num_speculative_tokens_per_batch_size
         if ranges is not None:
             if not all(isinstance(r, (list, tuple)) and len(r) == 3 and all(type(x) is int for x in r)
@@ -117,6 +125,18 @@ class SpeculativeConfig:
             if start <= running <= end:
                 return k
         return self.num_speculative_tokens
+
+    @property
+    def first_draft_limit(self) -> int:
+        """The most drafts a new request takes in its first check."""
+        heuristic = self.num_speculative_tokens_schedule == "heuristic"
+        return min(2, self.num_speculative_tokens) if heuristic else self.num_speculative_tokens
+
+    def next_draft_limit(self, limit: int, drafted: int, accepted: int) -> int:
+        """A request's most drafts after a check of `drafted` drafts of which `accepted` held."""
+        if self.num_speculative_tokens_schedule == "constant":
+            return limit
+        return min(self.num_speculative_tokens, limit + 2) if accepted == drafted else max(1, limit - 1)
 
 
 @dataclass

@@ -187,6 +187,50 @@ def test_per_batch_size_drafts_from_the_command_line():
     assert [config.drafts_for(n) for n in (1, 16, 17, 64, 65)] == [3, 3, 0, 0, 5]
 
 
+def test_the_heuristic_schedule_moves_each_requests_limit_by_its_checks():
+    spec = SpeculativeConfig(num_speculative_tokens=5, num_speculative_tokens_schedule="heuristic")
+    limit, limits = spec.first_draft_limit, []
+    for drafted, accepted in [(2, 2), (4, 4), (5, 5), (5, 3), (4, 0), (3, 1), (2, 0), (1, 0), (1, 1)]:
+        limit = spec.next_draft_limit(limit, drafted, accepted)
+        limits.append(limit)
+    assert spec.first_draft_limit == 2 and limits == [4, 5, 5, 4, 3, 2, 1, 1, 3]
+    constant = SpeculativeConfig(num_speculative_tokens=5)
+    assert constant.first_draft_limit == 5 and constant.next_draft_limit(5, 5, 0) == 5
+    assert SpeculativeConfig(num_speculative_tokens=1, num_speculative_tokens_schedule="heuristic") \
+        .first_draft_limit == 1
+    with pytest.raises(ValueError, match="'constant' or 'heuristic'"):
+        SpeculativeConfig(num_speculative_tokens_schedule="adaptive")
+
+
+def test_heuristic_drafts_follow_each_requests_checks(tiny_llama, alone_outputs):
+    """Under the heuristic schedule a request's first check takes at most 2 drafts and each later one at most what
+    its earlier checks allow (replayed here), while the outputs stay each request's alone output."""
+    rng = random.Random(7)
+    workload = random_workload(rng, 12, 320)
+    expected = {i: alone_outputs(p, n) for i, (p, n) in enumerate(workload)}
+    engine = make_engine(tiny_llama, max_num_seqs=4, budget=64, blocks=96)
+    spec = SpeculativeConfig(num_speculative_tokens=6, num_speculative_tokens_schedule="heuristic")
+    engine.config.speculative = spec
+    engine.proposer = OracleProposer({tuple(p): expected[i] for i, (p, _) in enumerate(workload)}, 6)
+    checks: dict[str, list[tuple[int, int]]] = {}  # request id -> (drafted, accepted) of each check
+
+    def observe(out, result, *_):
+        for sched, tokens in zip(out.scheduled, result.tokens):
+            if sched.draft_token_ids:
+                checks.setdefault(sched.request.request_id, []).append((len(sched.draft_token_ids), len(tokens) - 1))
+
+    engine.step_observers.append(observe)
+    got = drive(engine, workload, [rng.randint(0, 6) for _ in workload])
+    assert got == expected
+    for history in checks.values():
+        limit = spec.first_draft_limit
+        for drafted, accepted in history:
+            assert drafted <= limit
+            limit = spec.next_draft_limit(limit, drafted, accepted)
+    drafted = [d for history in checks.values() for d, _ in history]
+    assert max(drafted) == 6 and any(a < d for history in checks.values() for d, a in history)
+
+
 class RandomProposer:
     """Drafts of 0-3 random tokens, seeded: nearly all rejected, so every check ends in a rejection path."""
 
@@ -213,7 +257,7 @@ def test_drafts_beside_grammars_logprobs_stops_aborts_and_preemption(tiny_llama,
         "greedy": lambda: SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.0, ignore_eos=True),
         "sampled": lambda: SamplingParams(max_tokens=16, temperature=1.0, seed=rng.randrange(100), logprobs=2,
                                           ignore_eos=True),
-        "grammar": lambda: SamplingParams(max_tokens=24, temperature=rng.choice([0.0, 1.0]),
+        "grammar": lambda: SamplingParams(max_tokens=24, temperature=rng.choice([0.0, 1.0]), seed=rng.randrange(100),
                                           structured_outputs=StructuredOutputParams(regex="[a-z]{2,5}")),
         "stops": lambda: SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[rng.randrange(320)],
                                         allowed_token_ids=list(range(0, 320, 3))),

@@ -279,6 +279,9 @@ class LLMEngine:
                     request.first_token_time = now
                 self.num_draft_tokens += len(sched.draft_token_ids)
                 self.num_accepted_tokens += len(tokens) - 1
+                if sched.draft_token_ids:
+                    request.draft_limit = self.config.speculative.next_draft_limit(
+                        request.draft_limit, len(sched.draft_token_ids), len(tokens) - 1)
                 for k, (token, logprob) in enumerate(zip(tokens, logprobs)):
                     if k:
                         self.scheduler.mark_computed(request, 1)
@@ -308,16 +311,21 @@ class LLMEngine:
     def _propose(self, out: SchedulerOutput) -> None:
         """Draft tokens for each request that now awaits its next token, as far as its limits leave room for them
         and the one token of its own after them, and as many as the running requests' number allows; none for
-        requests whose logits change before sampling."""
-        most = self.config.speculative.drafts_for(len(self.scheduler.running))
+        requests whose logits change before sampling; and under the heuristic schedule, no more than the request's
+        own limit, which its checks move (SpeculativeConfig.next_draft_limit)."""
+        spec = self.config.speculative
+        most = spec.drafts_for(len(self.scheduler.running))
         for sched in out.scheduled:
             request = sched.request
             if request.is_finished or not request.awaits_next_token:
                 continue
+            if request.draft_limit is None:
+                request.draft_limit = spec.first_draft_limit
             room = min(request.params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
             allowed = most > 0 and not request.params.adjusts_logits
             request.draft_token_ids = (self.proposer.propose(request.token_ids(0, request.num_tokens),
-                                                             min(most, room - 1)) if allowed else [])
+                                                             min(most, request.draft_limit, room - 1))
+                                       if allowed else [])
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         params = request.params

@@ -58,6 +58,7 @@ class Request:
     generator: torch.Generator | None = None
     grammar: GrammarMatcher | None = None  # with params.structured_outputs: where the output stands in its grammar
     draft_token_ids: list[int] = field(default_factory=list)  # speculation: proposed next tokens, checked next step
+    draft_limit: int | None = None  # speculation: the most drafts its next check takes (set by its first proposal)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words as token sequences
 
     @property
