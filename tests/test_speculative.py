@@ -200,6 +200,9 @@ def test_the_heuristic_schedule_moves_each_requests_limit_by_its_checks():
         .first_draft_limit == 1
     with pytest.raises(ValueError, match="'constant' or 'heuristic'"):
         SpeculativeConfig(num_speculative_tokens_schedule="adaptive")
+    args = build_parser().parse_args(["serve", "--speculative-config", '{"num_speculative_tokens": 12, '
+                                      '"num_speculative_tokens_schedule": "heuristic"}'])
+    assert args.speculative_config.first_draft_limit == 2 and args.speculative_config.next_draft_limit(12, 3, 3) == 12
 
 
 def test_heuristic_drafts_follow_each_requests_checks(tiny_llama, alone_outputs):
