@@ -9,6 +9,8 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import drive, make_engine, random_workload
 from loom import LLM, SamplingParams
@@ -28,6 +30,27 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match_of_the_longest_su
     assert propose([7, 2, 3, 8, 9, 2, 3, 6, 1, 2, 3], 3) == [6, 1, 2]  # the latest of two matches
     assert propose([2, 3, 5, 1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]  # 3 tokens ("1 2 3") beat 2 ("2 3")
     assert propose([1, 2, 3, 4], 3) == [] and propose([5], 3) == [] and propose([1, 2, 1, 2], 0) == []
+    assert propose([5, 6, 5, 5], 3) == []  # "5 5" never occurred before: no window runs off the start
+
+
+def _latest_longest_match(tokens: list[int], max_drafts: int, lookup_min: int, lookup_max: int) -> list[int]:
+    """Prompt lookup spelled out: for n from lookup_max down, the latest earlier window equal to the last n."""
+    for n in range(min(lookup_max, len(tokens) - 1), lookup_min - 1, -1):
+        for start in range(len(tokens) - 1 - n, -1, -1):
+            if tokens[start : start + n] == tokens[-n:]:
+                return tokens[start + n : start + n + max_drafts]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), max_size=40), max_drafts=st.integers(0, 6),
+       lookup=st.tuples(st.integers(1, 5), st.integers(0, 3)))
+def test_prompt_lookup_equals_the_window_by_window_search(tokens, max_drafts, lookup):
+    lookup_min, extra = lookup
+    config = SpeculativeConfig(num_speculative_tokens=6, prompt_lookup_min=lookup_min,
+                               prompt_lookup_max=lookup_min + extra)
+    assert NgramProposer(config).propose(tokens, max_drafts) == \
+        _latest_longest_match(tokens, max_drafts, lookup_min, lookup_min + extra)
 
 
 def _request(temperature: float = 0.0, logprobs: int | None = None, seed: int = 0) -> Request:
