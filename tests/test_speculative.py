@@ -132,11 +132,14 @@ def smol_requests(smollm2):
 
 
 @pytest.mark.slow
-def test_smollm2_float32_gives_the_same_tokens_stops_and_logprobs_with_prompt_lookup(smollm2, smol_requests):
+@pytest.mark.parametrize("schedule", ["constant", "heuristic"])
+def test_smollm2_float32_gives_the_same_tokens_stops_and_logprobs_with_prompt_lookup(smollm2, smol_requests,
+                                                                                     schedule):
     prompts = [p for p, _ in smol_requests]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=1) for _, n in smol_requests]
     plain = LLM(loaded=smollm2, max_num_seqs=4).generate(prompts, params)
-    spec = LLM(loaded=smollm2, max_num_seqs=4, speculative_config={"num_speculative_tokens": 4})
+    spec = LLM(loaded=smollm2, max_num_seqs=4, speculative_config={"num_speculative_tokens": 4,
+                                                                   "num_speculative_tokens_schedule": schedule})
     drafted = spec.generate(prompts, params)
     assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
     for a, b in zip(drafted, plain):
