@@ -77,6 +77,17 @@ def _speculative_config(text: str) -> SpeculativeConfig:
         raise argparse.ArgumentTypeError(f"not a speculative config: {e}") from None
 
 
+def _speculative_configs(text: str) -> list[SpeculativeConfig | None]:
+    """A JSON list of speculative configs, null for none."""
+    try:
+        items = json.loads(text)
+        if not isinstance(items, list) or not items:
+            raise ValueError("expected a non-empty JSON list")
+        return [None if item is None else SpeculativeConfig(**item) for item in items]
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"not a list of speculative configs: {e}") from None
+
+
 def engine_config(args: argparse.Namespace, dtype: str | None = None, quantization: str | None = None) -> EngineConfig:
     """The EngineConfig that `_engine_args` describes (dtype and quantization given apart in benchmarks' loops)."""
     return EngineConfig(
@@ -249,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="hf: transformers generate / generate_batch in each dtype, on the first --hf-requests")
     off.add_argument("--hf-requests", type=int, default=16, help="the peer runs on this many first requests")
     off.add_argument("--sweep", default=None, metavar="KEY=V1,V2", help="e.g. max_num_seqs=1,4,16,64 (continuous)")
+    off.add_argument("--speculative-configs", type=_speculative_configs, default=None, metavar="JSON_LIST",
+                     help='speculation settings run in turn with the continuous policy, e.g. \'[null, '
+                          '{"num_speculative_tokens": 5}]\' (null: none); each setting\'s median against the first\'s')
+    off.add_argument("--rounds", type=int, default=1, help="rounds of --speculative-configs, each setting once a round")
     off.add_argument("--plot", metavar="DIR", default=None, help="timeline, KV usage and sweep PNGs")
     off.add_argument("--trace", metavar="DIR", default=None, help="Chrome trace-event JSON per run")
     off.add_argument("--model", default=None, help="a .gguf file or HF model directory (default: bundled SmolLM2)")

@@ -219,6 +219,37 @@ def test_offline_run_holds_itself_to_its_own_matmul_peak(tiny_llama_dir, capsys)
         assert 0 < line["roofline_fraction_of_peak"] <= 1
 
 
+def test_offline_runs_speculation_settings_in_rounds_against_the_first(tiny_llama_dir, capsys):
+    from loom.cli import main
+
+    configs = '[null, {"num_speculative_tokens": 4, "num_speculative_tokens_schedule": "heuristic"}]'
+    assert main(["bench", "offline", "--model", str(tiny_llama_dir), "--workload", "article",
+                 "--dtypes", "float32", "--policies", "continuous", "--kv-cache-memory", "0.05",
+                 "--speculative-configs", configs, "--rounds", "2"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()][1:]  # after the policy's own run
+    runs, summaries = lines[:4], lines[4:]
+    assert [(r["round"], r["speculative_config"] is None) for r in runs] == [(0, True), (0, False), (1, True),
+                                                                            (1, False)]
+    assert all(r["spec_draft_tokens"] == 0 for r in runs[::2]) and all(r["spec_draft_tokens"] > 0 for r in runs[1::2])
+    assert runs[1]["speculative_config"]["num_speculative_tokens_schedule"] == "heuristic"
+    assert [s["summary"] and s["identical_outputs_to_first"] for s in summaries] == [True, True]
+    for summary, mine in zip(summaries, (runs[::2], runs[1::2])):
+        rates = [r["output_tokens_per_s"] for r in mine]
+        assert summary["output_tokens_per_s_by_round"] == rates
+        assert summary["output_tokens_per_s_median"] == pytest.approx(sum(rates) / 2, abs=0.01)
+    assert summaries[0]["over_first"] == 1.0
+    assert summaries[1]["over_first"] == pytest.approx(summaries[1]["output_tokens_per_s_median"]
+                                                       / summaries[0]["output_tokens_per_s_median"], abs=1e-3)
+
+
+def test_bad_speculative_config_lists_are_refused():
+    from loom.cli import build_parser
+
+    for bad in ("[]", '{"num_speculative_tokens": 3}', '[{"num_speculative_tokens": 0}]', "[not json"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", "offline", "--speculative-configs", bad])
+
+
 def test_agreement_runs_both_dtypes_on_the_given_backends_and_kv_cache(tiny_llama, monkeypatch):
     from loom.bench import perf
 

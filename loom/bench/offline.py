@@ -8,8 +8,10 @@ continuous on that same subset; optionally a sweep of one scheduler limit. Greed
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -137,7 +139,38 @@ def _hf_peer(args, loaded, requests: list[BenchRequest], max_num_seqs: int, engi
     return ok & (tokens == loom_tokens or not exact)
 
 
+def speculative_runs(args: argparse.Namespace, engine: LLMEngine, requests: list[BenchRequest], seqs: int,
+                     base: dict) -> bool:
+    """Each of --speculative-configs (None: one token a step) with the continuous policy, --rounds times in turn, so
+    that the VM's drift falls on all of them alike; then each one's median tok/s against the first's. In float32
+    drafts change no greedy output (False if they do); in bfloat16 a check runs other kernels than a decode, so
+    tokens may part, and that is reported, not failed."""
+    configs = args.speculative_configs
+    original = engine.config.speculative
+    rates: list[list[float]] = [[] for _ in configs]
+    tokens: list[list[list[int]]] = [[] for _ in configs]
+    described = [dataclasses.asdict(c) if c is not None else None for c in configs]
+    for round_index in range(args.rounds):
+        for i, config in enumerate(configs):
+            engine.set_speculative(config)
+            line, tokens[i], _ = run_once(engine, requests, "continuous", seqs, args.max_num_batched_tokens)
+            rates[i].append(line["output_tokens_per_s"])
+            emit({**base, "speculative_config": described[i], "round": round_index, **line})
+    engine.set_speculative(original)
+    first = statistics.median(rates[0])
+    ok = True
+    for description, rate, outputs in zip(described, rates, tokens):
+        same = outputs == tokens[0]
+        ok &= same or engine.config.dtype != torch.float32
+        emit({**base, "summary": True, "speculative_config": description, "rounds": args.rounds,
+              "output_tokens_per_s_by_round": rate, "output_tokens_per_s_median": round(statistics.median(rate), 2),
+              "over_first": round(statistics.median(rate) / first, 3), "identical_outputs_to_first": same})
+    return ok
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     loaded = load_model(args.model)
     # Built only when asked for: the shared-prefix workload needs a chat template that a model may not have.
     build_workload = {
@@ -201,6 +234,8 @@ def main(args: argparse.Namespace) -> int:
                 kv_usage(records, plot_dir / f"kv-{name}-{label}.png")
             if args.peers == "hf" and quantization == quantizations[0]:
                 ok &= _hf_peer(args, loaded, requests, seqs, engine, name)
+            if args.speculative_configs:
+                ok &= speculative_runs(args, engine, requests, seqs, base)
         if args.sweep:
             key, values = args.sweep.split("=")
             if key not in ("max_num_seqs", "max_num_batched_tokens"):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loom.config import EngineConfig, SchedulerConfig
+from loom.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from loom.engine.kv_cache import BlockPool, KVCacheSpec
 from loom.engine.host_memory import keep_large_allocations
 from loom.engine.ngram_proposer import NgramProposer
@@ -115,7 +115,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, _Stream] = {}
         self.step_observers: list[StepObserver] = []  # called after every step (metrics, traces, demos)
-        self.proposer = NgramProposer(self.config.speculative) if self.config.speculative is not None else None
+        self.set_speculative(self.config.speculative)  # the proposer
         self.num_draft_tokens = 0  # speculation: draft tokens checked, and those accepted
         self.num_accepted_tokens = 0
         keep_large_allocations()  # a step's big buffers (logits of many rows) reused, not faulted in (host_memory.py)
@@ -142,6 +142,14 @@ class LLMEngine:
             raise RuntimeError("cannot change the scheduler while requests are in flight")
         self.config.scheduler = config
         self.scheduler = self._make_scheduler(config)
+
+    def set_speculative(self, config: SpeculativeConfig | None) -> None:
+        """Swap the speculation settings (None: one token a step), e.g. several on the same engine in a benchmark;
+        only when idle. Drafts are proposed under the continuous policy alone."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot change speculation while requests are in flight")
+        self.config.speculative = config
+        self.proposer = NgramProposer(config) if config is not None else None
 
     # --- requests ---------------------------------------------------------------------------------------------
 
