@@ -2,7 +2,8 @@
 
 Loom static vs Loom continuous (per dtype) on the same engine; optionally Hugging Face transformers as the peer
 (static `generate` waves and its own `generate_batch`) on the first `--hf-requests` requests, next to Loom
-continuous on that same subset; optionally a sweep of one scheduler limit. Greedy outputs must agree.
+continuous on that same subset; optionally a sweep of one scheduler limit, and speculation settings run in turn
+for several rounds (each one's median against the first's). Greedy outputs must agree (with drafts: in float32).
 """
 
 from __future__ import annotations
@@ -139,8 +140,8 @@ def _hf_peer(args, loaded, requests: list[BenchRequest], max_num_seqs: int, engi
     return ok & (tokens == loom_tokens or not exact)
 
 
-def speculative_runs(args: argparse.Namespace, engine: LLMEngine, requests: list[BenchRequest], seqs: int,
-                     base: dict) -> bool:
+def _speculative_runs(args: argparse.Namespace, engine: LLMEngine, requests: list[BenchRequest], seqs: int,
+                      base: dict) -> bool:
     """Each of --speculative-configs (None: one token a step) with the continuous policy, --rounds times in turn, so
     that the VM's drift falls on all of them alike; then each one's median tok/s against the first's. In float32
     drafts change no greedy output (False if they do); in bfloat16 a check runs other kernels than a decode, so
@@ -235,7 +236,7 @@ def main(args: argparse.Namespace) -> int:
             if args.peers == "hf" and quantization == quantizations[0]:
                 ok &= _hf_peer(args, loaded, requests, seqs, engine, name)
             if args.speculative_configs:
-                ok &= speculative_runs(args, engine, requests, seqs, base)
+                ok &= _speculative_runs(args, engine, requests, seqs, base)
         if args.sweep:
             key, values = args.sweep.split("=")
             if key not in ("max_num_seqs", "max_num_batched_tokens"):
