@@ -51,8 +51,9 @@ def _engine_args(p: argparse.ArgumentParser, kv_cache_gib: float, one_setting: b
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\': draft tokens looked up in the context, '
                         'checked in one step (continuous policy); "num_speculative_tokens_per_batch_size": '
                         '[[start, end, k], ...] caps the drafts at k while start..end requests run; '
-                        '"num_speculative_tokens_schedule": "heuristic" moves each request\'s limit by its checks '
-                        '(transformers\' rule: +2 when all drafts held, -1 otherwise)')
+                        '"num_speculative_tokens_schedule": "heuristic" or "heuristic_transient" moves each '
+                        'request\'s limit by its checks (transformers\' rule: +2 when all drafts held, -1 otherwise), '
+                        'a new request starting where the latest check left off or at 2')
     p.add_argument("--threads", type=int, default=None)
 
 

@@ -11,6 +11,8 @@ from loom.model.kv_quant import KV_CACHE_DTYPES
 from loom.model.layer_ops import LAYER_OPS
 from loom.model.linear import MATMUL_BACKENDS, QUANTIZATIONS
 
+SPECULATIVE_SCHEDULES = ("constant", "heuristic", "heuristic_transient")  # SpeculativeConfig's
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -87,10 +89,13 @@ class SpeculativeConfig:
     # (num_speculative_tokens outside every range). A draft's row costs most where many requests run: at 64 a
     # step's matmuls at 128 rows take 20-23 ms against 13 at 64 (docs/benchmarks.md).
     num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None
-    # "constant": every request drafts up to num_speculative_tokens (vLLM). "heuristic": transformers' schedule of
-    # the same name (num_assistant_tokens_schedule), per request: two more drafts after a check whose drafts all
-    # held, one fewer (not under 1) after one that rejected any; each request starts at 2 and never passes
+    # "constant": every request drafts up to num_speculative_tokens (vLLM). "heuristic" and "heuristic_transient":
+    # transformers' schedules of those names (num_assistant_tokens_schedule), per request: two more drafts after a
+    # check whose drafts all held, one fewer (not under 1) after one that rejected any, never past
     # num_speculative_tokens. Text that repeats itself grows to the cap; text that drafts miss costs a draft a step.
+    # A new request starts where the engine's latest check left its request ("heuristic": the limit persists from
+    # request to request, as transformers' persists from call to call), or at 2 ("heuristic_transient"; "heuristic"
+    # too before any check).
     num_speculative_tokens_schedule: str = "constant"
 
     def __post_init__(self) -> None:
@@ -101,8 +106,8 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
                              f"{self.prompt_lookup_max}")
-        if self.num_speculative_tokens_schedule not in ("constant", "heuristic"):
-            raise ValueError("num_speculative_tokens_schedule must be 'constant' or 'heuristic', got "
+        if self.num_speculative_tokens_schedule not in SPECULATIVE_SCHEDULES:
+            raise ValueError(f"num_speculative_tokens_schedule must be one of {SPECULATIVE_SCHEDULES}, got "
                              f"{self.num_speculative_tokens_schedule!r}")
         ranges = self.num_speculative_tokens_per_batch_size
         if ranges is not None:
@@ -126,11 +131,13 @@ class SpeculativeConfig:
                 return k
         return self.num_speculative_tokens
 
-    @property
-    def first_draft_limit(self) -> int:
-        """The most drafts a new request takes in its first check."""
-        heuristic = self.num_speculative_tokens_schedule == "heuristic"
-        return min(2, self.num_speculative_tokens) if heuristic else self.num_speculative_tokens
+    def first_draft_limit(self, latest: int | None) -> int:
+        """The most drafts a new request takes in its first check; `latest`: the limit the engine's latest check
+        left its request (None before any)."""
+        schedule = self.num_speculative_tokens_schedule
+        if schedule == "constant":
+            return self.num_speculative_tokens
+        return latest if schedule == "heuristic" and latest is not None else min(2, self.num_speculative_tokens)
 
     def next_draft_limit(self, limit: int, drafted: int, accepted: int) -> int:
         """A request's most drafts after a check of `drafted` drafts of which `accepted` held."""

@@ -132,7 +132,7 @@ def smol_requests(smollm2):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["constant", "heuristic"])
+@pytest.mark.parametrize("schedule", ["constant", "heuristic", "heuristic_transient"])
 def test_smollm2_float32_gives_the_same_tokens_stops_and_logprobs_with_prompt_lookup(smollm2, smol_requests,
                                                                                      schedule):
     prompts = [p for p, _ in smol_requests]
@@ -213,32 +213,40 @@ def test_per_batch_size_drafts_from_the_command_line():
     assert [config.drafts_for(n) for n in (1, 16, 17, 64, 65)] == [3, 3, 0, 0, 5]
 
 
-def test_the_heuristic_schedule_moves_each_requests_limit_by_its_checks():
-    spec = SpeculativeConfig(num_speculative_tokens=5, num_speculative_tokens_schedule="heuristic")
-    limit, limits = spec.first_draft_limit, []
+@pytest.mark.parametrize("schedule", ["heuristic", "heuristic_transient"])
+def test_the_heuristic_schedules_move_each_requests_limit_by_its_checks(schedule):
+    spec = SpeculativeConfig(num_speculative_tokens=5, num_speculative_tokens_schedule=schedule)
+    limit, limits = spec.first_draft_limit(None), []
     for drafted, accepted in [(2, 2), (4, 4), (5, 5), (5, 3), (4, 0), (3, 1), (2, 0), (1, 0), (1, 1)]:
         limit = spec.next_draft_limit(limit, drafted, accepted)
         limits.append(limit)
-    assert spec.first_draft_limit == 2 and limits == [4, 5, 5, 4, 3, 2, 1, 1, 3]
-    constant = SpeculativeConfig(num_speculative_tokens=5)
-    assert constant.first_draft_limit == 5 and constant.next_draft_limit(5, 5, 0) == 5
-    assert SpeculativeConfig(num_speculative_tokens=1, num_speculative_tokens_schedule="heuristic") \
-        .first_draft_limit == 1
-    with pytest.raises(ValueError, match="'constant' or 'heuristic'"):
-        SpeculativeConfig(num_speculative_tokens_schedule="adaptive")
+    assert spec.first_draft_limit(None) == 2 and limits == [4, 5, 5, 4, 3, 2, 1, 1, 3]
+    # A new request starts where the latest check left off (heuristic) or at 2 again (heuristic_transient).
+    assert spec.first_draft_limit(4) == (4 if schedule == "heuristic" else 2)
+    assert SpeculativeConfig(num_speculative_tokens=1, num_speculative_tokens_schedule=schedule) \
+        .first_draft_limit(None) == 1
     args = build_parser().parse_args(["serve", "--speculative-config", '{"num_speculative_tokens": 12, '
-                                      '"num_speculative_tokens_schedule": "heuristic"}'])
-    assert args.speculative_config.first_draft_limit == 2 and args.speculative_config.next_draft_limit(12, 3, 3) == 12
+                                      f'"num_speculative_tokens_schedule": "{schedule}"}}'])
+    assert args.speculative_config.first_draft_limit(None) == 2
+    assert args.speculative_config.next_draft_limit(12, 3, 3) == 12
 
 
-def test_heuristic_drafts_follow_each_requests_checks(tiny_llama, alone_outputs):
-    """Under the heuristic schedule a request's first check takes at most 2 drafts and each later one at most what
+def test_the_constant_schedule_keeps_every_limit_and_others_are_refused():
+    constant = SpeculativeConfig(num_speculative_tokens=5)
+    assert constant.first_draft_limit(None) == constant.first_draft_limit(2) == 5
+    assert constant.next_draft_limit(5, 5, 0) == 5
+    with pytest.raises(ValueError, match="must be one of"):
+        SpeculativeConfig(num_speculative_tokens_schedule="adaptive")
+
+
+def test_transient_heuristic_drafts_follow_each_requests_checks(tiny_llama, alone_outputs):
+    """Under heuristic_transient a request's first check takes at most 2 drafts and each later one at most what
     its earlier checks allow (replayed here), while the outputs stay each request's alone output."""
     rng = random.Random(7)
     workload = random_workload(rng, 12, 320)
     expected = {i: alone_outputs(p, n) for i, (p, n) in enumerate(workload)}
     engine = make_engine(tiny_llama, max_num_seqs=4, budget=64, blocks=96)
-    spec = SpeculativeConfig(num_speculative_tokens=6, num_speculative_tokens_schedule="heuristic")
+    spec = SpeculativeConfig(num_speculative_tokens=6, num_speculative_tokens_schedule="heuristic_transient")
     engine.config.speculative = spec
     engine.proposer = OracleProposer({tuple(p): expected[i] for i, (p, _) in enumerate(workload)}, 6)
     checks: dict[str, list[tuple[int, int]]] = {}  # request id -> (drafted, accepted) of each check
@@ -252,12 +260,42 @@ def test_heuristic_drafts_follow_each_requests_checks(tiny_llama, alone_outputs)
     got = drive(engine, workload, [rng.randint(0, 6) for _ in workload])
     assert got == expected
     for history in checks.values():
-        limit = spec.first_draft_limit
+        limit = spec.first_draft_limit(None)
         for drafted, accepted in history:
             assert drafted <= limit
             limit = spec.next_draft_limit(limit, drafted, accepted)
     drafted = [d for history in checks.values() for d, _ in history]
     assert max(drafted) == 6 and any(a < d for history in checks.values() for d, a in history)
+
+
+def test_heuristic_limits_persist_from_request_to_request(tiny_llama, alone_outputs):
+    """Under heuristic, requests run one after another each start where the previous one's last check left its
+    limit (replayed here), as transformers' value persists from call to call; the outputs stay the alone outputs."""
+    rng = random.Random(11)
+    workload = [(p, n + 12) for p, n in random_workload(rng, 6, 320)]
+    expected = {i: alone_outputs(p, n) for i, (p, n) in enumerate(workload)}
+    engine = make_engine(tiny_llama, max_num_seqs=1, budget=64, blocks=96)
+    spec = SpeculativeConfig(num_speculative_tokens=6, num_speculative_tokens_schedule="heuristic")
+    engine.config.speculative = spec
+    engine.proposer = OracleProposer({tuple(p): expected[i] for i, (p, _) in enumerate(workload)}, 6)
+    checks: list[tuple[str, int, int]] = []  # (request id, drafted, accepted), in the order checked
+
+    def observe(out, result, *_):
+        for sched, tokens in zip(out.scheduled, result.tokens):
+            if sched.draft_token_ids:
+                checks.append((sched.request.request_id, len(sched.draft_token_ids), len(tokens) - 1))
+
+    engine.step_observers.append(observe)
+    assert drive(engine, workload, [0] * len(workload)) == expected
+    limits: dict[str, int] = {}
+    latest, first_drafts = None, []
+    for rid, drafted, accepted in checks:
+        if rid not in limits:
+            limits[rid] = spec.first_draft_limit(latest)
+            first_drafts.append(drafted)
+        assert drafted <= limits[rid]
+        latest = limits[rid] = spec.next_draft_limit(limits[rid], drafted, accepted)
+    assert len(first_drafts) > 1 and max(first_drafts[1:]) > 2  # later requests' first checks passed transient's 2
 
 
 class RandomProposer:

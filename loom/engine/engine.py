@@ -150,6 +150,7 @@ class LLMEngine:
             raise RuntimeError("cannot change speculation while requests are in flight")
         self.config.speculative = config
         self.proposer = NgramProposer(config) if config is not None else None
+        self.latest_draft_limit: int | None = None  # where the latest check left its request's limit
 
     # --- requests ---------------------------------------------------------------------------------------------
 
@@ -290,6 +291,7 @@ class LLMEngine:
                 if sched.draft_token_ids:
                     request.draft_limit = self.config.speculative.next_draft_limit(
                         request.draft_limit, len(sched.draft_token_ids), len(tokens) - 1)
+                    self.latest_draft_limit = request.draft_limit
                 for k, (token, logprob) in enumerate(zip(tokens, logprobs)):
                     if k:
                         self.scheduler.mark_computed(request, 1)
@@ -328,7 +330,7 @@ class LLMEngine:
             if request.is_finished or not request.awaits_next_token:
                 continue
             if request.draft_limit is None:
-                request.draft_limit = spec.first_draft_limit
+                request.draft_limit = spec.first_draft_limit(self.latest_draft_limit)
             room = min(request.params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
             allowed = most > 0 and not request.params.adjusts_logits
             request.draft_token_ids = (self.proposer.propose(request.token_ids(0, request.num_tokens),
