@@ -321,8 +321,8 @@ class LLMEngine:
     def _propose(self, out: SchedulerOutput) -> None:
         """Draft tokens for each request that now awaits its next token, as far as its limits leave room for them
         and the one token of its own after them, and as many as the running requests' number allows; none for
-        requests whose logits change before sampling; and under the heuristic schedule, no more than the request's
-        own limit, which its checks move (SpeculativeConfig.next_draft_limit)."""
+        requests whose logits change before sampling; and under a heuristic schedule, no more than the request's
+        own limit, which its checks move (SpeculativeConfig.first_draft_limit and next_draft_limit)."""
         spec = self.config.speculative
         most = spec.drafts_for(len(self.scheduler.running))
         for sched in out.scheduled:
