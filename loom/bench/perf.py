@@ -201,12 +201,12 @@ def verify_steps(engine: LLMEngine, batch: int, context: int, drafts: tuple[int,
     drafts a step (FixedDrafts); the median of `rounds` whole steps, against d = 0's. The engine's own speculation
     settings are put back afterwards."""
     rng = random.Random(seed)
-    saved = engine.config.speculative, engine.proposer
-    engine.config.speculative = SpeculativeConfig(num_speculative_tokens=max(max(drafts), 1))
+    saved = engine.config.speculative
+    engine.set_speculative(SpeculativeConfig(num_speculative_tokens=max(max(drafts), 1)))
     step_ms: dict[int, float] = {}
     try:
         for d in drafts:
-            engine.proposer = FixedDrafts(d)
+            engine.proposer = FixedDrafts(d)  # in place of the prompt lookup that set_speculative made
             # Room for the steps that prefill the others (the first requests decode meanwhile), then the timed ones.
             params = SamplingParams(max_tokens=128 + (rounds + 3) * (d + 1), temperature=0.0, ignore_eos=True)
             ids = _running(engine, rng, batch, context, params)
@@ -220,7 +220,7 @@ def verify_steps(engine: LLMEngine, batch: int, context: int, drafts: tuple[int,
             for i in ids:
                 engine.abort(i)
     finally:
-        engine.config.speculative, engine.proposer = saved
+        engine.set_speculative(saved)
     base = step_ms.get(0)
     return {
         "batch": batch,
