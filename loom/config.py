@@ -101,8 +101,11 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method != "ngram":
             raise ValueError(f"speculative method must be 'ngram' (prompt lookup), got {self.method!r}")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        # No upper bound, as in vLLM: a step's token budget trims what does not fit, and text that repeats holds
+        # long drafts (the mixed workload's first 64 requests, bfloat16, heuristic schedule, budget 768, medians of 3:
+        # 2779 tok/s with 16 drafts at most, 2996 with 32).
+        if type(self.num_speculative_tokens) is not int or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be a positive integer, got {self.num_speculative_tokens!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
                              f"{self.prompt_lookup_max}")

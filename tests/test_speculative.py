@@ -108,20 +108,23 @@ class OracleProposer:
         raise AssertionError("unknown request")
 
 
-@pytest.mark.parametrize("k", [1, 4])
-def test_drafts_in_batch_mixes_change_no_greedy_output(tiny_llama, alone_outputs, k):
-    """Chunked prompts, a token budget that trims drafts, few blocks (preemption): every request as alone."""
+@pytest.mark.parametrize("k, budget", [(1, 20), (4, 20), (20, 48)])
+def test_drafts_in_batch_mixes_change_no_greedy_output(tiny_llama, alone_outputs, k, budget):
+    """Chunked prompts, a token budget that trims drafts, few blocks (preemption): every request as alone. With 20
+    drafts a check is a chunk of up to 21 tokens over several of the cache's 4-token blocks."""
     rng = random.Random(k)
     workload = random_workload(rng, 24, 320)
     expected = {i: alone_outputs(p, n) for i, (p, n) in enumerate(workload)}
-    engine = make_engine(tiny_llama, max_num_seqs=6, budget=20, blocks=24)
+    engine = make_engine(tiny_llama, max_num_seqs=6, budget=budget, blocks=24)
     engine.config.speculative = SpeculativeConfig(num_speculative_tokens=k)
     engine.proposer = OracleProposer({tuple(p): expected[i] for i, (p, _) in enumerate(workload)}, k)
-    preempted = []
+    preempted, checked = [], [0]
     engine.step_observers.append(lambda out, *_: preempted.extend(out.preempted))
+    engine.step_observers.append(lambda out, *_: checked.extend(len(s.draft_token_ids) for s in out.scheduled))
     got = drive(engine, workload, [rng.randint(0, 8) for _ in workload])
     assert got == expected
     assert preempted and engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
+    assert max(checked) == k
     assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
 
 
@@ -161,7 +164,8 @@ def test_the_cli_takes_vllms_speculative_config_json():
     args = build_parser().parse_args(["serve", "--speculative-config",
                                       '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}'])
     assert args.speculative_config == SpeculativeConfig("ngram", 5, 2, 3)
-    for bad in ('{"method": "eagle"}', '{"num_speculative_tokens": 0}', "{not json", '{"draft_model": "x"}'):
+    for bad in ('{"method": "eagle"}', '{"num_speculative_tokens": 0}', '{"num_speculative_tokens": 2.5}', "{not json",
+                '{"draft_model": "x"}'):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "--speculative-config", bad])
 
