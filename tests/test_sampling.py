@@ -101,6 +101,23 @@ def test_argmax_kernel_matches_torch(argmax_kernel):
     assert make_sampler().argmax_kernel is not None
 
 
+def test_argmax_kernel_on_bfloat16_matches_torch_on_their_float32_copy(argmax_kernel):
+    """bfloat16 rows go by their bits, 32 at a time: tails of every length around a vector, NaNs of either sign,
+    -0 before +0, denormals, and rows of random bit patterns (NaNs and infinities among them)."""
+    rows = _rows_with_ties_and_nans().to(torch.bfloat16)
+    rows[0, [5, 900]] = -math.nan  # a NaN with its sign bit set still outranks every number
+    rows[7, 1::3] = -0.0  # zeros of both signs: the first index wins
+    rows[8, 3] = 1e-40  # a denormal above every zero
+    for width in (1, 2, 31, 32, 33, 63, 64, 65, 49151):
+        narrow = rows[:, -width:].contiguous()
+        assert torch.equal(argmax_kernel.argmax_rows(narrow), narrow.float().argmax(dim=-1)), width
+    gen = torch.Generator().manual_seed(1)
+    bits = torch.randint(-(2**15), 2**15, (64, 1000), dtype=torch.int16, generator=gen)
+    bits[:32] &= ~0x80  # half the rows without NaNs or infinities (an exponent bit cleared): a number wins
+    patterns = bits.view(torch.bfloat16)
+    assert torch.equal(argmax_kernel.argmax_rows(patterns), patterns.float().argmax(dim=-1))
+
+
 @pytest.mark.parametrize("use_kernel", [True, False])
 def test_greedy_rows_take_the_argmax(argmax_kernel, use_kernel):
     sampler = Sampler(argmax_kernel if use_kernel else None)

@@ -5,14 +5,16 @@
 // for the same 64 rows).
 //
 // Same answer as torch.argmax: the first index of the maximum, or of the first NaN where a row has one (torch orders
-// NaN above every number). NaN is found from the bits: -ffast-math compiles float NaN tests away. bfloat16 logits are
-// widened (exactly) as they are loaded: the answer of their float32 copy, without making that copy.
+// NaN above every number). NaN is found from the bits: -ffast-math compiles float NaN tests away. bfloat16 logits give
+// the answer of their float32 copy, without making that copy: with AVX-512 BW one pass over their bits, 32 a vector
+// (row_argmax_bf16); elsewhere widened as they are loaded.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "bfloat16.h"
 #include "vec.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -80,6 +82,40 @@ int64_t row_argmax(const T* x, int64_t n) {
   return first(x, n, [&](Vec v) { return v == target; });
 }
 
+#if defined(__AVX512BW__)
+// A bfloat16 row's argmax in one pass over its bits, 32 a vector: each value's bits become a 16-bit integer key that
+// orders as the values do (the magnitude, negated for a negative value, so -0 and +0 are both 0), NaN above all (every
+// NaN the same key, so the first wins). Each of the 32 lanes keeps its highest key and the first vector it came in;
+// the row's answer is the lowest index among the lanes that hold the highest. The widening path took two passes of
+// 8-float vectors: 1024 rows of SmolLM2's logits (101 MB, just written, as a check of drafts leaves them; medians of
+// 9) 9.44 -> 5.91 ms, 64 rows 0.37 -> 0.22 ms. Rows of at most 32 * 32767 values.
+inline int64_t row_argmax_bf16(const c10::BFloat16* row, int64_t n) {
+  const int16_t* x = reinterpret_cast<const int16_t*>(row);
+  const __m512i magnitude_bits = _mm512_set1_epi16(0x7fff), infinity = _mm512_set1_epi16(0x7f80);
+  __m512i best = _mm512_set1_epi16(INT16_MIN), best_at = _mm512_setzero_si512();
+  for (int64_t i = 0, chunk = 0; i < n; i += 32, ++chunk) {
+    const __mmask32 in_row = n - i >= 32 ? ~__mmask32{0} : (__mmask32{1} << (n - i)) - 1;
+    const __m512i bits = _mm512_maskz_loadu_epi16(in_row, x + i);
+    const __m512i magnitude = _mm512_and_si512(bits, magnitude_bits);
+    __m512i key = _mm512_mask_sub_epi16(magnitude, _mm512_movepi16_mask(bits), _mm512_setzero_si512(), magnitude);
+    key = _mm512_mask_mov_epi16(key, _mm512_cmpgt_epi16_mask(magnitude, infinity), magnitude_bits);  // NaN: 0x7fff
+    key = _mm512_mask_mov_epi16(_mm512_set1_epi16(INT16_MIN), in_row, key);  // past the row: below every value
+    const __mmask32 higher = _mm512_cmpgt_epi16_mask(key, best);
+    best = _mm512_max_epi16(best, key);
+    best_at = _mm512_mask_mov_epi16(best_at, higher, _mm512_set1_epi16(static_cast<int16_t>(chunk)));
+  }
+  alignas(64) int16_t keys[32], chunks[32];
+  _mm512_store_si512(keys, best);
+  _mm512_store_si512(chunks, best_at);
+  int16_t top = keys[0];
+  for (int lane = 1; lane < 32; ++lane) top = keys[lane] > top ? keys[lane] : top;
+  int64_t at = n;
+  for (int lane = 0; lane < 32; ++lane)
+    if (keys[lane] == top) at = std::min<int64_t>(at, int64_t{chunks[lane]} * 32 + lane);
+  return at;
+}
+#endif
+
 }  // namespace
 
 // logits [S, V] float32 or bfloat16 -> [S] int64: each row's greedy token.
@@ -97,7 +133,17 @@ torch::Tensor argmax_rows(const torch::Tensor& logits_in) {
     using T = std::remove_pointer_t<decltype(typed)>;
     const T* x = logits.data_ptr<T>();
     at::parallel_for(0, rows, 2, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) out[r] = row_argmax(x + r * vocab, vocab);
+      for (int64_t r = begin; r < end; ++r) {
+#if defined(__AVX512BW__)
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (vocab <= 32 * int64_t{INT16_MAX}) {
+            out[r] = row_argmax_bf16(x + r * vocab, vocab);
+            continue;
+          }
+        }
+#endif
+        out[r] = row_argmax(x + r * vocab, vocab);
+      }
     });
   });
   return tokens;
