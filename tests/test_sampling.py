@@ -106,9 +106,10 @@ def test_argmax_kernel_on_bfloat16_matches_torch_on_their_float32_copy(argmax_ke
     -0 before +0, denormals, and rows of random bit patterns (NaNs and infinities among them)."""
     rows = _rows_with_ties_and_nans().to(torch.bfloat16)
     rows[0, [5, 900]] = -math.nan  # a NaN with its sign bit set still outranks every number
-    rows[7, 1::3] = -0.0  # zeros of both signs: the first index wins
-    rows[8, 3] = 1e-40  # a denormal above every zero
-    for width in (1, 2, 31, 32, 33, 63, 64, 65, 49151):
+    rows[7, ::3] = -0.0  # a row of zeros, -0 first: equal to +0, so index 0 wins
+    rows[5, [3, 9]] = torch.tensor([-0.0, 0.0], dtype=torch.bfloat16)
+    rows[5, 7] = 1e-40  # a denormal above both zeros of a row of -inf
+    for width in (1, 2, 31, 32, 33, 63, 64, 65, 49151, 49152):
         narrow = rows[:, -width:].contiguous()
         assert torch.equal(argmax_kernel.argmax_rows(narrow), narrow.float().argmax(dim=-1)), width
     gen = torch.Generator().manual_seed(1)
