@@ -189,6 +189,35 @@ def test_structured_outputs_in_openai_vllm_and_llama_cpp_dialects(server, tiny_l
     assert set(json.loads(as_json["choices"][0]["text"])) == {"ok"}
 
 
+def test_a_request_being_prepared_holds_up_no_other(tiny_llama):
+    """Requests are made on worker threads: while one request's grammar compiles (held here until the test lets it
+    go), the event loop answers /health and serves a plain completion; then the held request completes too."""
+    with running_server(tiny_llama) as (base, engine):
+        release, compiling = threading.Event(), threading.Event()
+        compile_grammar = engine.grammars.compile
+
+        def held_compile(params):
+            compiling.set()
+            release.wait(timeout=60)
+            return compile_grammar(params)
+
+        engine.grammars.compile = held_compile
+        held: list[httpx.Response] = []
+        body = {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "grammar": 'root ::= "ab" | "cd"'}
+        waiting = threading.Thread(target=lambda: held.append(httpx.post(base + "/v1/completions", json=body,
+                                                                         timeout=90)))
+        waiting.start()
+        try:
+            assert compiling.wait(timeout=30)
+            assert httpx.get(base + "/health", timeout=10).status_code == 200
+            plain = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=10)
+            assert plain.status_code == 200 and not release.is_set() and not held
+        finally:
+            release.set()
+            waiting.join(timeout=90)
+        assert held[0].status_code == 200 and held[0].json()["choices"][0]["text"] in ("ab", "cd")
+
+
 def test_allowed_token_ids_and_truncate_prompt_tokens_through_the_openai_client(server, tiny_llama):
     base, _ = server
     prompt = list(range(30, 90))

@@ -171,7 +171,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     def render_chat(body: TokenizeRequest | ChatCompletionRequest, tools: list[dict] | None = None) -> str:
         """A request's messages through the chat template with its options; its own template only where the server
-        trusts them (a template is code, and a costly one would hold the server's event loop)."""
+        trusts them (a template is code, and a costly one, pure Python under the GIL, would hold the whole server)."""
         if body.chat_template is not None and not trust_request_chat_template:
             raise ValueError("chat_template: this server does not take chat templates from requests (start it with "
                              "--trust-request-chat-template)")
@@ -181,14 +181,14 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                                              chat_template=body.chat_template,
                                              template_kwargs=body.chat_template_kwargs)
 
-    def add_streams(prompts: list[str | list[int]], n: int, make_params, base_id: str,
-                    priority: int) -> list[RequestStream]:
-        """Queue n samples of every prompt; on any error, nothing stays queued."""
+    async def add_streams(prompts: list[str | list[int]], n: int, make_params, base_id: str,
+                          priority: int) -> list[RequestStream]:
+        """Queue n samples of every prompt; on any error (or the client gone meanwhile), nothing stays queued."""
         streams: list[RequestStream] = []
         try:
             for pi, prompt in enumerate(prompts):
                 for i in range(n):
-                    streams.append(engine.add(prompt, make_params(i), f"{base_id}-{pi}-{i}", priority))
+                    streams.append(await engine.add(prompt, make_params(i), f"{base_id}-{pi}-{i}", priority))
         except BaseException as e:
             for s in streams:
                 engine.abort(s.request_id)
@@ -363,7 +363,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError(400, str(e)) from e
         rid = f"cmpl-{uuid.uuid4().hex}"
         n = body.n
-        streams = add_streams(
+        streams = await add_streams(
             prompts, n, lambda i: body.sampling_params(max_tokens, body.logprobs, prompt_logprobs, seed_offset=i), rid,
             body.priority)
         created = int(time.time())
@@ -438,23 +438,28 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         check_model(body.model)
-        try:
-            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            top = body.top_logprobs
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        top = body.top_logprobs
+        logprobs = (top or 0) if body.logprobs else None
+
+        def prompt_ids_and_max_tokens() -> tuple[list[int], int]:
+            """The rendered, tokenized prompt (on a worker thread: a long chat takes milliseconds) and max_tokens."""
             if top is not None and not body.logprobs:
                 raise ValueError("top_logprobs requires logprobs to be true")
-            logprobs = (top or 0) if body.logprobs else None
-            text = render_chat(body, body.tool_dicts())
-            prompt_ids = tokenizer.encode(text, add_special_tokens=False)
-            if max_tokens is None:  # OpenAI's default: as much as the context allows
-                max_tokens = max(1, max_model_len - len(prompt_ids))
-            body.sampling_params(max_tokens, logprobs)
+            ids = tokenizer.encode(render_chat(body, body.tool_dicts()), add_special_tokens=False)
+            most = max(1, max_model_len - len(ids)) if max_tokens is None else max_tokens  # OpenAI's default: all
+            body.sampling_params(most, logprobs)
+            return ids, most
+
+        try:
+            prompt_ids, max_tokens = await asyncio.to_thread(prompt_ids_and_max_tokens)
         except ValueError as e:
             raise APIError(400, str(e)) from e
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         n = body.n
-        streams = add_streams([prompt_ids], n, lambda i: body.sampling_params(max_tokens, logprobs, seed_offset=i), rid,
-                              body.priority)
+        streams = await add_streams([prompt_ids], n,
+                                    lambda i: body.sampling_params(max_tokens, logprobs, seed_offset=i), rid,
+                                    body.priority)
         created = int(time.time())
 
         tool_choice = body.tool_choice_value() if body.forces_tool_call else None
