@@ -1,7 +1,7 @@
 """AsyncEngine: the step loop on its own thread, per-request asyncio streams for the HTTP server.
 
-The asyncio event loop never runs a model step, nor tokenizes a prompt or compiles a grammar (a worker thread makes
-each request): it puts commands (add, abort) on a queue and awaits outputs. The engine thread drains the queue
+The asyncio event loop never runs a model step, and does not make requests either (`add` tokenizes a prompt and
+compiles a grammar on a worker thread): it puts commands (add, abort) on a queue and awaits outputs. The engine thread drains the queue
 between steps, runs `step()` while there is work and sleeps on an event (no busy spin) when there is none. An abort
 takes effect before the next step.
 """

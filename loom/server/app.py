@@ -322,8 +322,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "loom", "max_model_len": max_model_len}]}
 
+    # /tokenize and /detokenize are plain functions: FastAPI runs them on its worker threads, off the event loop.
     @app.post("/tokenize", dependencies=[Depends(check_auth)])
-    async def tokenize(body: TokenizeRequest):
+    def tokenize(body: TokenizeRequest):
         check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
@@ -338,7 +339,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
 
     @app.post("/detokenize", dependencies=[Depends(check_auth)])
-    async def detokenize(body: DetokenizeRequest):
+    def detokenize(body: DetokenizeRequest):
         check_model(body.model)
         vocab = engine.engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
