@@ -1,9 +1,9 @@
 """AsyncEngine: the step loop on its own thread, per-request asyncio streams for the HTTP server.
 
 The asyncio event loop never runs a model step, and does not make requests either (`add` tokenizes a prompt and
-compiles a grammar on a worker thread): it puts commands (add, abort) on a queue and awaits outputs. The engine thread drains the queue
-between steps, runs `step()` while there is work and sleeps on an event (no busy spin) when there is none. An abort
-takes effect before the next step.
+compiles a grammar on a worker thread): it puts commands (add, abort) on a queue and awaits outputs. The engine
+thread drains the queue between steps, runs `step()` while there is work and sleeps on an event (no busy spin) when
+there is none. An abort takes effect before the next step.
 """
 
 from __future__ import annotations
@@ -129,8 +129,8 @@ class AsyncEngine:
 
         The request is made on a worker thread: tokenizing a long prompt and compiling its grammar would hold the
         event loop, and with it every other request's stream (a 3.5K-token prompt 5 ms, a 60-field JSON schema 8 ms,
-        the first grammar 0.24 s): a burst of 32 such chat requests stalled a running stream for 1.6-1.8 s, and
-        now for 0.25 s."""
+        the first grammar 0.24 s): a burst of 32 such chat requests stalled a running stream for 1.4-1.8 s, and
+        now for 0.24-0.28 s."""
         self._check_admission()
         request = await asyncio.to_thread(self.engine.create_request, prompt, params, request_id, priority=priority)
         self._check_admission()  # again: others may have been queued, or the engine died, meanwhile
