@@ -110,6 +110,28 @@ def test_offline_line_reports_roofline_and_fragmentation(tiny_llama):
     assert 0 < line["kv_fragmentation"] < 0.75
 
 
+def test_tracer_counts_each_filled_kv_slot_once(tiny_llama):
+    # Blocks of 4; B shares A's first two blocks through the prefix cache, and both end in partly filled blocks.
+    engine = LLMEngine(EngineConfig(cache=CacheConfig(block_size=4, num_kv_blocks=64)), tiny_llama)
+    tracer = StepTracer(engine)
+    expected, per_request = [], []
+
+    def filled_slots(*_) -> None:  # every computed token's (block, offset), as a set
+        running = engine.scheduler.running
+        expected.append(len({(r.block_ids[p // 4], p % 4) for r in running for p in range(r.num_computed_tokens)}))
+        per_request.append(sum(r.num_computed_tokens for r in running))
+
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    with engine.observing(tracer), engine.observing(filled_slots):
+        engine.add_request(list(range(1, 11)), params)
+        engine.step()
+        engine.add_request(list(range(1, 9)) + [20, 21, 22], params)
+        engine.run_to_completion()
+    assert [r.tokens_in_cache for r in tracer.records] == expected
+    assert any(shared < total for shared, total in zip(expected, per_request))  # a block counted once for two
+    assert any(n % 4 for n in expected)
+
+
 def _record(prefill: int, decode: int, sampled: int, in_cache: int) -> StepRecord:
     return StepRecord(step=0, start=0.0, duration=0.0, prefill_tokens=prefill, decode_tokens=decode, pad_tokens=0,
                       sampled_tokens=sampled, num_scheduled=0, running=0, waiting=0, blocks_used=0, blocks_total=0,

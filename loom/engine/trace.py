@@ -76,14 +76,21 @@ class StepTracer:
         ))
 
     def _filled_slots(self) -> int:
-        """Slots holding a computed token, counting a block shared through the prefix cache once."""
+        """Slots holding a computed token, counting a block shared through the prefix cache once.
+
+        A request's blocks before its computed tokens' end are full, the one they end in is partly filled, the rest
+        are empty. Only full blocks are shared (the prefix cache keeps whole blocks), so the partly filled ones are
+        counted per request and the full ones as a set, gathered by set.update rather than visited one by one in
+        Python: a 64-request step holds ~1300 blocks, and that visit took ~2.5% of the mixed run the tracer times."""
         block_size = self.engine.config.cache.block_size
-        filled: dict[int, int] = {}
+        full: set[int] = set()
+        partly = 0
         for r in self.engine.scheduler.running:
-            for i, block in enumerate(r.block_ids):
-                n = min(block_size, max(0, r.num_computed_tokens - i * block_size))
-                filled[block] = max(filled.get(block, 0), n)
-        return sum(filled.values())
+            whole, rest = divmod(r.num_computed_tokens, block_size)
+            full.update(r.block_ids[:whole])
+            if whole < len(r.block_ids):
+                partly += rest
+        return len(full) * block_size + partly
 
     def to_chrome_trace(self) -> dict:
         events = []
