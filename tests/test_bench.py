@@ -194,6 +194,17 @@ def test_perf_figures_on_a_tiny_model(tiny_llama):
     assert (weights + 4 * 21 * kv_per_token) / weights <= decode["memory_floor_step_over_matmuls"] < 1 + (
         4 * 30 * kv_per_token) / weights
     assert 0 <= decode["metadata_ms"] < decode["step_ms"]
+    # The K/V read rates the step got beside its matmuls and would need in a step of twice its matmuls: bytes over
+    # the times reported (GB/s = bytes / ms / 1e6), which are rounded to 0.01 ms.
+    kv = decode["kv_bytes"]
+    assert 4 * 21 * kv_per_token <= kv < 4 * 30 * kv_per_token
+
+    def within_rounding(gbps: float, ms: float, roundings: int) -> bool:
+        slack = 0.005 * roundings
+        return kv / (ms + slack) / 1e6 - 0.005 <= gbps <= kv / max(ms - slack, 1e-9) / 1e6 + 0.005
+
+    assert within_rounding(decode["kv_gbps_for_twice_matmuls"], decode["matmuls_alone_ms"], 1)
+    assert within_rounding(decode["kv_gbps_beside_matmuls"], decode["step_ms"] - decode["matmuls_alone_ms"], 2)
     pre = prefill(engine, 100, peak["peak_gflops"], repeats=1)
     assert pre["prompt_tokens"] == 100 and pre["fraction_of_peak"] > 0 and "fraction_of_round_peak" not in pre
     # Held to the peak's own matmul timed again after each prompt: each round's fraction is its own prompt's FLOP/s

@@ -80,7 +80,9 @@ def decode_step(engine: LLMEngine, batch: int, context: int, bandwidth: float, s
     so that a noisy machine's slow and fast phases do not fall on one side only. Medians over the rounds.
 
     Beside the times: the step's floors at `bandwidth` bytes/s (its matmuls stream every weight once; the step adds
-    every request's K/V once), whose ratio is the lowest step_over_matmuls that memory allows."""
+    every request's K/V once), whose ratio is the lowest step_over_matmuls that memory allows; and the K/V read rates
+    that the step got and would need: its K/V bytes over the time beside its matmuls, and over the matmuls' time (what a
+    step of twice its matmuls leaves them, where reads and matmuls do not overlap)."""
     ids = _running(engine, random.Random(seed), batch, context,
                    SamplingParams(max_tokens=64 + rounds, temperature=0.0, ignore_eos=True))
     runner = engine.runner
@@ -136,6 +138,9 @@ def decode_step(engine: LLMEngine, batch: int, context: int, bandwidth: float, s
         "matmuls_memory_floor_ms": round(weights / bandwidth * 1e3, 2),
         "step_memory_floor_ms": round((weights + kv) / bandwidth * 1e3, 2),
         "memory_floor_step_over_matmuls": round((weights + kv) / weights, 2),
+        "kv_bytes": kv,
+        "kv_gbps_beside_matmuls": round(kv / (step_s - matmul_s) / 1e9, 2) if step_s > matmul_s else None,
+        "kv_gbps_for_twice_matmuls": round(kv / matmul_s / 1e9, 2),
     }
 
 
