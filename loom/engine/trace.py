@@ -81,7 +81,8 @@ class StepTracer:
         A request's blocks before its computed tokens' end are full, the one they end in is partly filled, the rest
         are empty. Only full blocks are shared (the prefix cache keeps whole blocks), so the partly filled ones are
         counted per request and the full ones as a set, gathered by set.update rather than visited one by one in
-        Python: a 64-request step holds ~1300 blocks, and that visit took ~2.5% of the mixed run the tracer times."""
+        Python: a 64-request step holds ~1300 blocks, and visiting them doubled the tracer's time within the timed
+        mixed run (0.30-0.35 s of its ~20.5 s against 0.17 s)."""
         block_size = self.engine.config.cache.block_size
         full: set[int] = set()
         partly = 0
