@@ -155,7 +155,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loom.server.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(engine_config(args))
+    # The engine thread builds the model: every parallel region then runs on that one thread (async_engine.py).
+    async_engine = AsyncEngine(lambda: LLMEngine(engine_config(args)), max_waiting=args.max_waiting,
+                               request_timeout=args.request_timeout)
+    engine = async_engine.engine
     if args.chat_template is not None:
         engine.tokenizer.chat_template = args.chat_template  # before any request has compiled the model's
     name = args.served_model_name or engine.loaded.name
@@ -166,7 +169,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not loopback and not args.api_key:
         logging.getLogger("loom.server").warning(
             "binding %s without --api-key: anyone who can reach this port can use the model", args.host)
-    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting, request_timeout=args.request_timeout)
     app = create_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                      open_metrics=args.open_metrics, trust_request_chat_template=args.trust_request_chat_template)
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the handler it found: make that a no-op so

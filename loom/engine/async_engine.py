@@ -3,7 +3,13 @@
 The asyncio event loop never runs a model step, and does not make requests either (`add` tokenizes a prompt and
 compiles a grammar on a worker thread): it puts commands (add, abort) on a queue and awaits outputs. The engine
 thread drains the queue between steps, runs `step()` while there is work and sleeps on an event (no busy spin) when
-there is none. An abort takes effect before the next step.
+there is none. An abort takes effect before the next step; a step's outputs reach each event loop in one hand-off.
+
+Given a factory instead of a built engine, the engine thread builds the model and warms it up itself, so that every
+OpenMP parallel region of the process starts from that one thread. A second thread that runs parallel regions gets
+a second OpenMP team, and with more OpenMP threads than cores libgomp stops spinning at barriers and sleeps: a
+decode step ran about twice as slow on the engine thread when the main thread had built the model
+(docs/benchmarks.md, "Server against offline").
 """
 
 from __future__ import annotations
@@ -43,6 +49,15 @@ class RequestTimedOut(Exception):
 class _Add:
     request: Request
     stream: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Route:
+    """Where a request's outputs go: its stream, on the event loop that awaits it."""
+
+    stream: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
 
 
 @dataclass
@@ -77,29 +92,34 @@ class RequestStream:
 class AsyncEngine:
     """Thread-backed wrapper: `add()` queues a request; its RequestStream yields outputs as steps produce them."""
 
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
+    engine: LLMEngine  # set on the engine thread, before the constructor returns
+
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_waiting: int | None = None,
                  request_timeout: float | None = None) -> None:
+        """`engine`: a built LLMEngine, or a factory that the engine thread calls (then warms the model up) before
+        this returns; an exception the factory raises is raised here."""
         if request_timeout is not None and request_timeout <= 0:
             raise ValueError(f"request_timeout must be positive, got {request_timeout}")
-        self.engine = engine
         self.max_waiting = max_waiting
         self.request_timeout = request_timeout
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._streams: dict[str, asyncio.Queue] = {}  # touched only by the engine thread
+        self._routes: dict[str, _Route] = {}  # touched only by the engine thread
         self._deadlines: dict[str, float] = {}  # request id -> monotonic deadline; engine thread only
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._handoff: dict[asyncio.AbstractEventLoop, list] = {}  # this step's deliveries; engine thread only
         self._stopping = False
         self.error: BaseException | None = None
         self.on_abort: Callable[[RequestOutput], None] | None = None  # e.g. metrics; runs on the engine thread
+        built = threading.Event()
+        failure: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, args=(engine, built, failure), name="loom-engine",
+                                        daemon=True)
+        self._thread.start()
+        built.wait()
+        if failure:
+            raise failure[0]
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="loom-engine", daemon=True)
-        self._thread.start()
 
     def stop(self) -> None:
         """Abort whatever is still in flight and end the engine thread."""
@@ -110,7 +130,7 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self.error is None and self._thread is not None and self._thread.is_alive()
+        return self.error is None and self._thread.is_alive()
 
     @property
     def num_waiting(self) -> int:
@@ -135,7 +155,7 @@ class AsyncEngine:
         request = await asyncio.to_thread(self.engine.create_request, prompt, params, request_id, priority=priority)
         self._check_admission()  # again: others may have been queued, or the engine died, meanwhile
         stream = RequestStream(self, request.request_id, request.prompt_token_ids)
-        self._send(_Add(request, stream.queue))
+        self._send(_Add(request, stream.queue, asyncio.get_running_loop()))
         return stream
 
     def _check_admission(self) -> None:
@@ -154,13 +174,23 @@ class AsyncEngine:
     # --- engine thread ------------------------------------------------------------------------------------------
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is None:
+        """Queue an output for its stream; `_hand_off` passes everything queued to the event loops."""
+        route = self._routes.get(request_id)
+        if route is None:
             return
         if isinstance(item, BaseException) or item.finished:
-            del self._streams[request_id]
+            del self._routes[request_id]
             self._deadlines.pop(request_id, None)
-        self._loop.call_soon_threadsafe(stream.put_nowait, item)
+        self._handoff.setdefault(route.loop, []).append((route.stream, item))
+
+    def _hand_off(self) -> None:
+        """One call per event loop for everything delivered since the last hand-off (a whole step's outputs)."""
+        for loop, items in self._handoff.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop is closed: nobody awaits these streams any more
+                pass
+        self._handoff = {}
 
     def _drain_commands(self) -> None:
         while True:
@@ -172,9 +202,9 @@ class AsyncEngine:
                 try:
                     self.engine.submit(command.request)
                 except ValueError as e:
-                    self._loop.call_soon_threadsafe(command.stream.put_nowait, e)
+                    self._handoff.setdefault(command.loop, []).append((command.stream, e))
                     continue
-                self._streams[command.request.request_id] = command.stream
+                self._routes[command.request.request_id] = _Route(command.stream, command.loop)
                 if self.request_timeout is not None:
                     self._deadlines[command.request.request_id] = command.request.arrival_time + self.request_timeout
             else:
@@ -211,21 +241,41 @@ class AsyncEngine:
         for output in outputs:
             self._deliver(output.request_id, output)
 
-    def _run(self) -> None:
+    def _run(self, engine: LLMEngine | Callable[[], LLMEngine], built: threading.Event,
+             failure: list[BaseException]) -> None:
+        try:
+            self.engine = engine if isinstance(engine, LLMEngine) else engine()
+            if not isinstance(engine, LLMEngine):
+                self.engine.warm_up()
+        except BaseException as e:
+            failure.append(e)
+            return
+        finally:
+            built.set()
         try:
             while not self._stopping:
                 self._wakeup.clear()
                 self._drain_commands()
                 self._expire_deadlines()
                 if not self.engine.has_unfinished_requests():
+                    self._hand_off()
                     self._wakeup.wait()
                     continue
                 self._step()
+                self._hand_off()
         except BaseException as e:  # a fatal engine failure: fail everyone, report unhealthy
             log.exception("engine loop died")
             self.error = e
-            for request_id in list(self._streams):
+            for request_id in list(self._routes):
                 self._deliver(request_id, EngineDead(f"engine failure: {type(e).__name__}"))
+            self._hand_off()
             return
         for request_id in list(self.engine.requests):  # shutting down: end every stream cleanly
             self._abort(request_id)
+        self._hand_off()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    """On the event loop: put a hand-off's outputs into their streams."""
+    for stream, item in items:
+        stream.put_nowait(item)

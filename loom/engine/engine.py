@@ -309,6 +309,18 @@ class LLMEngine:
                 self._forget(o.request_id)
         return outputs
 
+    def warm_up(self) -> None:
+        """Run one short request (a prefill and a decode) and forget it: the calling thread starts the kernels'
+        thread team and touches the step's buffers before the first real request. The prompt fills no KV block, so
+        the prefix cache stays empty; the speculation counters are reset."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("warm_up runs only on an idle engine")
+        token = min(self.tokenizer.eos_token_ids, default=0)
+        self.add_request([token], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                         request_id="loom-warm-up")
+        self.run_to_completion()
+        self.num_draft_tokens = self.num_accepted_tokens = 0
+
     def run_to_completion(self) -> dict[str, RequestOutput]:
         """Step until no request is left; the final output of every request that finished meanwhile."""
         finished: dict[str, RequestOutput] = {}

@@ -126,7 +126,6 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine.start()
         yield
         await asyncio.to_thread(engine.stop)
 
