@@ -3,58 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from rich.console import Console
 
-from loom.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from loom.config import EngineConfig
+from loom.engine_args import add_engine_args, engine_config, speculative_configs
 from loom.model.attention import ATTENTION_BACKENDS
 from loom.model.kv_quant import KV_CACHE_DTYPES
 from loom.model.layer_ops import LAYER_OPS
-from loom.model.linear import MATMUL_BACKENDS, QUANTIZATIONS
+from loom.model.linear import MATMUL_BACKENDS
 from loom.server import KEEP_ALIVE_SECONDS
-
-
-def _engine_args(p: argparse.ArgumentParser, kv_cache_gib: float, one_setting: bool = True) -> None:
-    """The engine's options; with `one_setting` False (benchmarks), dtype and quantization come as lists instead."""
-    if one_setting:
-        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-        p.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
-                       help="gguf: run the GGUF file's Q4_0 / Q4_1 / Q8_0 weights in their blocks (C++ kernels, "
-                            "CPU; AMX for bfloat16 where the CPU has it; the outputs of none); auto: so where a "
-                            "kernel for them builds; none: dequantize every weight to --dtype")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--long-prefill-chunk-tokens", type=int, default=32,
-                   help="while requests decode, prompts longer than a step's budget advance by about "
-                        "max(this, decoding requests) tokens per step, fewer deep into a long context; 0: no pacing")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=float, default=kv_cache_gib,
-                   help=f"GiB for the KV cache (default {kv_cache_gib:g})")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="int8: K/V as int8 codes with a scale per token and KV head, about half the bytes of "
-                        "bfloat16 (more tokens in the cache, faster decode at long contexts; outputs differ a little "
-                        "from auto's); auto: the model's dtype")
-    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                   help="recompute shared prompt prefixes instead of reusing their cached KV blocks")
-    p.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
-    p.add_argument("--matmul-backend", default="auto", choices=list(MATMUL_BACKENDS),
-                   help="amx: Loom's C++ kernel on AMX tiles (bfloat16, CPUs with AMX-BF16); packed: Loom's C++ "
-                        "kernel on weights packed at load (CPU); torch: F.linear; auto: amx for bfloat16 where the "
-                        "CPU has it, else packed")
-    p.add_argument("--layer-ops", default="auto", choices=list(LAYER_OPS),
-                   help="fused: Loom's C++ kernel for a Llama layer's norm, RoPE and SwiGLU (CPU); torch: torch ops")
-    p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
-                   help='vLLM\'s n-gram speculation, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\': draft tokens looked up in the context, '
-                        'checked in one step (continuous policy); "num_speculative_tokens_per_batch_size": '
-                        '[[start, end, k], ...] caps the drafts at k while start..end requests run; '
-                        '"num_speculative_tokens_schedule": "heuristic" or "heuristic_transient" moves each '
-                        'request\'s limit by its checks (transformers\' rule: +2 when all drafts held, -1 otherwise), '
-                        'a new request starting where the latest check left off or at 2')
-    p.add_argument("--threads", type=int, default=None)
 
 
 def _chat_template(value: str) -> str:
@@ -69,47 +28,6 @@ def _chat_template(value: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return template
-
-
-def _speculative_config(text: str) -> SpeculativeConfig:
-    try:
-        return SpeculativeConfig(**json.loads(text))
-    except (json.JSONDecodeError, TypeError, ValueError) as e:
-        raise argparse.ArgumentTypeError(f"not a speculative config: {e}") from None
-
-
-def _speculative_configs(text: str) -> list[SpeculativeConfig | None]:
-    """A JSON list of speculative configs, null for none."""
-    try:
-        items = json.loads(text)
-        if not isinstance(items, list) or not items:
-            raise ValueError("expected a non-empty JSON list")
-        return [None if item is None else SpeculativeConfig(**item) for item in items]
-    except (json.JSONDecodeError, TypeError, ValueError) as e:
-        raise argparse.ArgumentTypeError(f"not a list of speculative configs: {e}") from None
-
-
-def engine_config(args: argparse.Namespace, dtype: str | None = None, quantization: str | None = None) -> EngineConfig:
-    """The EngineConfig that `_engine_args` describes (dtype and quantization given apart in benchmarks' loops)."""
-    return EngineConfig(
-        model=getattr(args, "model", None),
-        dtype=dtype or args.dtype,
-        num_threads=args.threads,
-        max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend,
-        matmul_backend=args.matmul_backend,
-        quantization=quantization or args.quantization,
-        layer_ops=args.layer_ops,
-        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
-                                  long_prefill_chunk_tokens=args.long_prefill_chunk_tokens),
-        cache=CacheConfig(
-            num_kv_blocks=args.num_kv_blocks,
-            kv_cache_memory=int(args.kv_cache_memory * (1 << 30)),
-            enable_prefix_caching=args.prefix_caching,
-            kv_cache_dtype=args.kv_cache_dtype,
-        ),
-        speculative=args.speculative_config,
-    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -150,6 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from loom.cpu import auto_dtype
     from loom.engine.async_engine import AsyncEngine
     from loom.engine.engine import LLMEngine
     from loom.server.app import create_app
@@ -159,6 +78,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     async_engine = AsyncEngine(lambda: LLMEngine(engine_config(args)), max_waiting=args.max_waiting,
                                request_timeout=args.request_timeout)
     engine = async_engine.engine
+    why = f" ({auto_dtype()[1]})" if args.dtype == "auto" else ""
+    logging.getLogger("loom.server").info("engine: %s%s", engine.describe(), why)
     if args.chat_template is not None:
         engine.tokenizer.chat_template = args.chat_template  # before any request has compiled the model's
     name = args.served_model_name or engine.loaded.name
@@ -215,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="a stop string (repeatable)")
     g.add_argument("--model", default=None)
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                       help="auto: bfloat16 where the CPU has AMX-BF16 or AVX512-BF16, else float32")
     g.add_argument("--threads", type=int, default=None)
     g.set_defaults(func=cmd_generate)
 
@@ -223,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--plain", action="store_true", help="no colour (for logs); also automatic when not a terminal")
     d.add_argument("--plot", metavar="DIR", default=None, help="write the static vs continuous timeline PNG here")
     d.add_argument("--model", default=None)
-    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    d.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                       help="auto: bfloat16 where the CPU has AMX-BF16 or AVX512-BF16, else float32")
     d.add_argument("--threads", type=int, default=None)
     d.set_defaults(func=cmd_demo)
 
@@ -231,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", nargs="?", default=None, help="a .gguf file or HF model directory")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    _engine_args(s, kv_cache_gib=1.0)
+    add_engine_args(s, kv_cache_gib=1.0)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     s.add_argument("--open-metrics", action="store_true", help="serve /metrics without the API key")
     s.add_argument("--max-waiting", type=int, default=None, help="refuse with 503 + Retry-After beyond this queue")
@@ -263,14 +186,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="hf: transformers generate / generate_batch in each dtype, on the first --hf-requests")
     off.add_argument("--hf-requests", type=int, default=16, help="the peer runs on this many first requests")
     off.add_argument("--sweep", default=None, metavar="KEY=V1,V2", help="e.g. max_num_seqs=1,4,16,64 (continuous)")
-    off.add_argument("--speculative-configs", type=_speculative_configs, default=None, metavar="JSON_LIST",
+    off.add_argument("--speculative-configs", type=speculative_configs, default=None, metavar="JSON_LIST",
                      help='speculation settings run in turn with the continuous policy, e.g. \'[null, '
                           '{"num_speculative_tokens": 5}]\' (null: none); each setting\'s median against the first\'s')
     off.add_argument("--rounds", type=int, default=1, help="rounds of --speculative-configs, each setting once a round")
     off.add_argument("--plot", metavar="DIR", default=None, help="timeline, KV usage and sweep PNGs")
     off.add_argument("--trace", metavar="DIR", default=None, help="Chrome trace-event JSON per run")
     off.add_argument("--model", default=None, help="a .gguf file or HF model directory (default: bundled SmolLM2)")
-    _engine_args(off, kv_cache_gib=4.0, one_setting=False)
+    add_engine_args(off, kv_cache_gib=4.0, one_setting=False)
     off.set_defaults(func=cmd_bench_offline)
 
     pf = bsub.add_parser("perf", help="roofline figures: matmul peak, decode, prefill and draft-checking steps, "
@@ -313,6 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--slo-tpot-ms", type=float, default=None)
     sv.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     sv.add_argument("--plot", metavar="DIR", default=None, help="throughput / latency vs concurrency PNGs")
+    sv.add_argument("--against-offline", action="store_true",
+                    help="run the mixed workload offline, then start `loom serve` (with the engine options below) "
+                         "and run it online at each --concurrency (default 1,64); prints the ratios")
+    sv.add_argument("--serve-model", default=None,
+                    help="with --against-offline: the model (.gguf or HF directory; default: bundled SmolLM2)")
+    sv.add_argument("--single-stream-requests", type=int, default=12,
+                    help="with --against-offline: the first requests of the workload, run one at a time")
+    add_engine_args(sv, kv_cache_gib=1.0)
     sv.set_defaults(func=cmd_bench_serve)
     return parser
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loom.cpu import auto_dtype
 from loom.model.attention import ATTENTION_BACKENDS
 from loom.model.kv_quant import KV_CACHE_DTYPES
 from loom.model.layer_ops import LAYER_OPS
@@ -17,13 +18,15 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Accept 'float32' / 'bfloat16' (or their short names) or a torch dtype."""
+    """Accept 'float32' / 'bfloat16' (or their short names), 'auto' (loom.cpu.auto_dtype) or a torch dtype."""
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
         return dtype
+    if dtype == "auto":
+        dtype = auto_dtype()[0]
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
 
 
@@ -154,7 +157,7 @@ class EngineConfig:
     """Everything an LLMEngine needs besides the weights."""
 
     model: str | None = None  # None: the bundled SmolLM2 GGUF
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype | str = "auto"  # "auto": bfloat16 where the CPU multiplies it in hardware (loom/cpu.py)
     max_model_len: int | None = None  # None: the model's own context length
     attention_backend: str = "auto"  # "auto" | "paged" (C++ kernel) | "sdpa" | "reference" (obvious, for tests)
     # "auto" | "amx" (C++ kernel, bfloat16 on AMX-BF16 CPUs) | "packed" (C++ kernel) | "torch"; see make_matmul

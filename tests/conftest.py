@@ -143,7 +143,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
 
 def make_engine(loaded, max_num_seqs=4, budget=64, blocks=128, block_size=4, policy="continuous", backend="paged",
                 prefix_caching=True, long_prefill_chunk_tokens=32, kv_cache_dtype="auto"):
-    config = EngineConfig(
+    config = EngineConfig(dtype="float32", 
         attention_backend=backend,
         scheduler=SchedulerConfig(max_num_seqs, budget, policy, long_prefill_chunk_tokens),
         cache=CacheConfig(block_size=block_size, num_kv_blocks=blocks, enable_prefix_caching=prefix_caching,

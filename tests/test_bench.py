@@ -70,7 +70,7 @@ def test_serve_client_against_a_real_server(tiny_llama):
 
 
 def test_trace_has_one_event_per_step_and_plots_are_written(tiny_llama, tmp_path):
-    engine = LLMEngine(EngineConfig(scheduler=SchedulerConfig(3, 64, "static"), cache=CacheConfig(num_kv_blocks=64)),
+    engine = LLMEngine(EngineConfig(dtype="float32", scheduler=SchedulerConfig(3, 64, "static"), cache=CacheConfig(num_kv_blocks=64)),
                        tiny_llama)
     traces = {}
     for policy in ("static", "continuous"):
@@ -101,7 +101,7 @@ def test_trace_has_one_event_per_step_and_plots_are_written(tiny_llama, tmp_path
 def test_offline_line_reports_roofline_and_fragmentation(tiny_llama):
     from loom.bench.offline import run_once
 
-    engine = LLMEngine(EngineConfig(cache=CacheConfig(block_size=4, num_kv_blocks=64)), tiny_llama)
+    engine = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(block_size=4, num_kv_blocks=64)), tiny_llama)
     requests = [BenchRequest([5, 6, 7, 8, 9], 6), BenchRequest([1, 2, 3], 11)]
     line, tokens, _ = run_once(engine, requests, "continuous", 2, 64)
     assert [len(t) for t in tokens] == [6, 11] and line["output_tokens"] == 17
@@ -112,7 +112,7 @@ def test_offline_line_reports_roofline_and_fragmentation(tiny_llama):
 
 def test_tracer_counts_each_filled_kv_slot_once(tiny_llama):
     # Blocks of 4; B shares A's first two blocks through the prefix cache, and both end in partly filled blocks.
-    engine = LLMEngine(EngineConfig(cache=CacheConfig(block_size=4, num_kv_blocks=64)), tiny_llama)
+    engine = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(block_size=4, num_kv_blocks=64)), tiny_llama)
     tracer = StepTracer(engine)
     expected, per_request = [], []
 
@@ -174,7 +174,7 @@ def test_perf_figures_on_a_tiny_model(tiny_llama):
     from loom.bench.matmul_timing import shape_gflops
     from loom.bench.perf import decode_step, matmul_peak, prefill, prefill_interference, verify_steps
 
-    engine = LLMEngine(EngineConfig(scheduler=SchedulerConfig(8, 256), cache=CacheConfig(num_kv_blocks=256,
+    engine = LLMEngine(EngineConfig(dtype="float32", scheduler=SchedulerConfig(8, 256), cache=CacheConfig(num_kv_blocks=256,
                                                                                          enable_prefix_caching=False)),
                        tiny_llama)
     model = engine.runner.model
@@ -295,7 +295,7 @@ def test_agreement_runs_both_dtypes_on_the_given_backends_and_kv_cache(tiny_llam
 
     monkeypatch.setattr(perf, "LLMEngine", RecordingEngine)
     monkeypatch.setattr(perf, "mixed_workload", lambda tokenizer, n: [BenchRequest([5, 6, 7, 8], 6)] * n)
-    config = EngineConfig(attention_backend="reference", layer_ops="torch", quantization="none",
+    config = EngineConfig(dtype="float32", attention_backend="reference", layer_ops="torch", quantization="none",
                           cache=CacheConfig(num_kv_blocks=64, kv_cache_dtype="int8"))
     result = perf.dtype_agreement(tiny_llama, 3, config)
     assert [c.dtype for c in built] == [torch.float32, torch.bfloat16]
@@ -319,3 +319,22 @@ def test_a_run_on_gguf_blocks_is_also_held_to_the_dense_peak(smollm2, dtype):
     assert twin is not None and twin.dtype == blocks.runner.model.dtype
     assert matmul_backend_name(twin) == pairs[matmul_backend_name(blocks.runner.model)]
     assert dense_twin(smollm2, LLMEngine(EngineConfig(dtype=dtype, quantization="none", cache=cache), smollm2)) is None
+
+
+@pytest.mark.slow
+def test_bench_serve_against_offline_runs_one_workload_both_ways(tiny_llama_dir, capsys):
+    from loom.cli import main
+
+    assert main(["bench", "serve", "--against-offline", "--serve-model", str(tiny_llama_dir), "--dtype", "float32",
+                 "--num-requests", "6", "--single-stream-requests", "2", "--concurrency", "1,4",
+                 "--prompt-len", "5,20", "--output-len", "4,8", "--kv-cache-memory", "0.05"]) == 0
+    single, concurrent = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert (single["concurrency"], single["requests"], concurrent["concurrency"], concurrent["requests"]) == (1, 2, 4, 6)
+    for row in (single, concurrent):
+        assert row["online"]["completed"] == row["requests"] and row["online"]["failed"] == 0 and not row["errors"]
+        assert row["dtype"] == "float32" and row["client_cpu_s"] >= 0 and row["server_cpu_s"] > 0
+        assert row["online"]["ttft_ms"]["p99"] > 0
+    assert single["tpot_online_over_offline"] == pytest.approx(
+        single["online"]["tpot_ms"]["median"] / single["offline"]["tpot_ms"]["median"], abs=1e-3)
+    assert concurrent["throughput_online_over_offline"] == pytest.approx(
+        concurrent["online"]["output_token_throughput"] / concurrent["offline"]["output_token_throughput"], abs=1e-3)

@@ -14,7 +14,7 @@ from loom.engine.kv_cache import BlockPool
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    return LLM(loaded=tiny_llama, max_num_seqs=4, num_kv_blocks=64, block_size=8)
+    return LLM(dtype="float32", loaded=tiny_llama, max_num_seqs=4, num_kv_blocks=64, block_size=8)
 
 
 def test_bad_input_raises_and_nothing_is_left_behind(llm):
@@ -64,7 +64,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(llm):
     assert cut.prompt_token_ids == prompt[-12:]
     assert cut.token_ids == llm.generate([prompt[-12:]], SamplingParams(**params))[0].token_ids
     too_long = [5] * 600  # beyond the tiny model's 512 positions until -1 cuts it to what fits with max_tokens
-    roomy = LLM(loaded=llm.engine.loaded, num_kv_blocks=80, block_size=8)
+    roomy = LLM(dtype="float32", loaded=llm.engine.loaded, num_kv_blocks=80, block_size=8)
     assert len(roomy.generate([too_long], SamplingParams(max_tokens=4, truncate_prompt_tokens=-1))[0]
                .prompt_token_ids) == 508
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
@@ -92,9 +92,9 @@ def test_config_validation():
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype="float16")
     with pytest.raises(ValueError, match="layer_ops"):
-        EngineConfig(layer_ops="fast")
+        EngineConfig(dtype="float32", layer_ops="fast")
     with pytest.raises(ValueError, match="matmul_backend"):
-        EngineConfig(matmul_backend="blas")
+        EngineConfig(dtype="float32", matmul_backend="blas")
     with pytest.raises(ValueError, match="block_size"):
         CacheConfig(block_size=0)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
@@ -116,7 +116,7 @@ def test_block_pool_ref_counts_and_double_free():
 
 
 def test_demo_logs_draws_and_agrees(tiny_llama):
-    engine = LLMEngine(EngineConfig(cache=CacheConfig(num_kv_blocks=256)), tiny_llama)
+    engine = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_kv_blocks=256)), tiny_llama)
     console = Console(record=True, no_color=True, width=200)
     static, continuous = run_demo(engine, console)
     log = console.export_text()
@@ -133,15 +133,15 @@ def test_cli_generate_prints_the_completion(tiny_llama_dir, capsys):
     from loom.cli import main
 
     assert main(["generate", "The capital of France is", "--model", str(tiny_llama_dir), "--max-tokens", "4"]) == 0
-    expected = LLM(model=str(tiny_llama_dir)).generate(
+    expected = LLM(dtype="float32", model=str(tiny_llama_dir)).generate(
         ["The capital of France is"], SamplingParams(max_tokens=4, temperature=0.0))[0].text
     assert capsys.readouterr().out == expected + "\n"
     assert main(["generate", "", "--model", str(tiny_llama_dir)]) == 2  # a clear error, not a traceback
 
 
 def test_an_engine_that_loads_its_own_model_keeps_one_copy_of_the_weights(tiny_llama_dir, tiny_llama):
-    own = LLM(model=str(tiny_llama_dir), num_kv_blocks=64, block_size=8)
-    shared = LLM(loaded=tiny_llama, num_kv_blocks=64, block_size=8)
+    own = LLM(dtype="float32", model=str(tiny_llama_dir), num_kv_blocks=64, block_size=8)
+    shared = LLM(dtype="float32", loaded=tiny_llama, num_kv_blocks=64, block_size=8)
     assert own.engine.loaded.weights == {}  # consumed while the model was built from them
     assert tiny_llama.weights, "weights passed in by the caller stay usable for other engines"
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -154,3 +154,27 @@ def test_bfloat16_keeps_bf16_kv_and_agrees_with_float32_on_smollm2(smollm2):
     bf16 = LLM(loaded=smollm2, dtype="bfloat16", num_kv_blocks=32)
     assert bf16.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     assert bf16.generate(prompt, params)[0].text.startswith(" Paris")
+
+
+@pytest.mark.parametrize("flags, expected", [({"amx_bf16", "avx512f"}, torch.bfloat16),
+                                             ({"avx512f", "avx512_bf16"}, torch.bfloat16),
+                                             ({"avx512f", "avx2"}, torch.float32), (set(), torch.float32)])
+def test_dtype_auto_is_bfloat16_only_where_the_cpu_multiplies_it(monkeypatch, flags, expected):
+    import loom.cpu
+
+    monkeypatch.setattr(loom.cpu, "cpu_flags", lambda: flags)
+    assert EngineConfig(dtype="auto").dtype == expected
+    assert EngineConfig().dtype == expected  # the default
+    assert EngineConfig(dtype="float32").dtype == torch.float32  # pinned stays pinned
+    assert loom.cpu.auto_dtype()[0] == str(expected).removeprefix("torch.")
+
+
+def test_engine_flags_give_loom_serve_the_same_engine():
+    from loom.cli import build_parser
+    from loom.engine_args import engine_config, engine_flags
+
+    bench = build_parser().parse_args([
+        "bench", "serve", "--against-offline", "--dtype", "bfloat16", "--max-num-seqs", "8", "--no-prefix-caching",
+        "--kv-cache-memory", "0.5", "--speculative-config", '{"num_speculative_tokens": 4}', "--threads", "2"])
+    serve = build_parser().parse_args(["serve", *engine_flags(bench)])
+    assert engine_config(serve) == engine_config(bench)

@@ -157,7 +157,8 @@ def test_int8_engine_gives_each_request_its_alone_output_in_any_mix(tiny_llama, 
 
 
 def test_the_command_line_asks_for_an_int8_cache():
-    from loom.cli import build_parser, engine_config
+    from loom.cli import build_parser
+    from loom.engine_args import engine_config
 
     for command in (["serve"], ["bench", "offline"]):
         assert engine_config(build_parser().parse_args([*command, "--kv-cache-dtype", "int8"]),

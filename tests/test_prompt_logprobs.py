@@ -26,7 +26,7 @@ def test_prompt_logprobs_equal_transformers_log_softmax(tiny_model_dir):
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     # A 16-token budget splits the 60-token prompt into chunks across steps, beside the other prompts.
-    llm = LLM(loaded=load_model(tiny_model_dir), max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=64,
+    llm = LLM(dtype="float32", loaded=load_model(tiny_model_dir), max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=64,
               block_size=8)
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=3))
     for prompt, output in zip(PROMPTS, outputs):

@@ -70,7 +70,7 @@ def test_quantized_linear_rejects_a_wrong_shape_or_format(kernels):
     with pytest.raises(ValueError, match="uint8"):
         QuantizedWeight("q4_1", torch.zeros(4, 21, dtype=torch.uint8))
     with pytest.raises(ValueError, match="quantization"):
-        EngineConfig(quantization="int4")
+        EngineConfig(dtype="float32", quantization="int4")
 
 
 def test_a_q4_0_scale_beyond_float16_is_a_clear_error(kernels):
@@ -103,8 +103,8 @@ def test_gguf_blocks_dequantize_to_the_loaded_weights(smollm2):
 def test_gguf_weights_give_float32s_outputs_on_smollm2(smollm2):
     prompts = ["The capital of France is", "Write a haiku about rain.", "1, 2, 3, 4,", "def add(a, b):", "Hello"]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (24, 9, 17, 30, 5)]
-    dense = LLM(loaded=smollm2, max_num_seqs=3, num_kv_blocks=64, quantization="none")
-    gguf = LLM(loaded=smollm2, max_num_seqs=3, num_kv_blocks=64, quantization="gguf")
+    dense = LLM(dtype="float32", loaded=smollm2, max_num_seqs=3, num_kv_blocks=64, quantization="none")
+    gguf = LLM(dtype="float32", loaded=smollm2, max_num_seqs=3, num_kv_blocks=64, quantization="gguf")
     model = gguf.engine.runner.model
     assert isinstance(model.layers[0].qkv, QuantizedLinear) and model.layers[0].qkv.format == "q4_1"
     assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.format == "q8_0"

@@ -30,7 +30,7 @@ def test_tiny_models_match_transformers(tiny_model_dir, backend, matmul, ops):
     expected = [hf_greedy(hf, p, n, eos_token_id=0) for p, n in zip(TINY_PROMPTS, max_tokens)]
     assert sum(len(e) for e in expected) > 100, "the reference must generate real sequences"
 
-    llm = LLM(loaded=loaded, max_num_seqs=3, max_num_batched_tokens=32, num_kv_blocks=64, block_size=8,
+    llm = LLM(dtype="float32", loaded=loaded, max_num_seqs=3, max_num_batched_tokens=32, num_kv_blocks=64, block_size=8,
               attention_backend=backend, matmul_backend=matmul, layer_ops=ops)
     params = [SamplingParams(max_tokens=n, temperature=0.0) for n in max_tokens]
     got = [o.token_ids for o in llm.generate(TINY_PROMPTS, params)]
@@ -53,7 +53,7 @@ def article_reference(hf_smollm2) -> list[tuple[list[int], list[int]]]:
 def test_smollm2_article_prompts_match_transformers(smollm2, hf_smollm2, article_reference, quantization):
     """float32 on dequantized weights, and on the GGUF blocks themselves (the quantized kernel's same bits)."""
     _, hf_tok = hf_smollm2
-    llm = LLM(loaded=smollm2, max_num_seqs=3, quantization=quantization)
+    llm = LLM(dtype="float32", loaded=smollm2, max_num_seqs=3, quantization=quantization)
     outs = llm.generate([p for p, _ in ARTICLE_REQUESTS],
                         [SamplingParams(max_tokens=c, temperature=0.0) for _, c in ARTICLE_REQUESTS])
     for out, (prompt_ids, expected) in zip(outs, article_reference):

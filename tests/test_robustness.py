@@ -43,7 +43,7 @@ def slow_steps(engine, seconds: float) -> None:
 
 def test_failed_step_fails_only_its_requests(tiny_llama, caplog):
     greedy = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    expected = LLM(loaded=tiny_llama).generate(["queued behind"], SamplingParams(**greedy))[0].text
+    expected = LLM(dtype="float32", loaded=tiny_llama).generate(["queued behind"], SamplingParams(**greedy))[0].text
     with running_server(tiny_llama, max_num_seqs=1) as (base, engine):
         failed = fail_steps(engine, 1)
 

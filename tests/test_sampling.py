@@ -187,7 +187,7 @@ def test_sampling_follows_the_distribution_and_logprobs_are_reported():
 
 def _engine(loaded, max_num_seqs=8):
     return LLMEngine(
-        EngineConfig(scheduler=SchedulerConfig(max_num_seqs, 64), cache=CacheConfig(block_size=4, num_kv_blocks=256)),
+        EngineConfig(dtype="float32", scheduler=SchedulerConfig(max_num_seqs, 64), cache=CacheConfig(block_size=4, num_kv_blocks=256)),
         loaded,
     )
 
@@ -318,7 +318,7 @@ def _contains(tokens: list[int], seq: list[int]) -> bool:
 def test_bad_words_never_appear_as_their_tokens(smollm2):
     """vLLM's bad_words: a word's tokens (at a text's start and after a space) never make up the output; the
     one-token word is banned outright, the two-token one only after its first token."""
-    llm = LLM(loaded=smollm2, max_num_seqs=2)
+    llm = LLM(dtype="float32", loaded=smollm2, max_num_seqs=2)
     prompt = "The capital of France is"
     plain = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0))[0].token_ids
     for words in (["Paris"], ["The answer"]):

@@ -24,7 +24,7 @@ from loom.server.app import create_app
 
 @contextmanager
 def running_server(loaded, max_num_seqs=16, num_kv_blocks=256, **app_kwargs):
-    engine = LLMEngine(EngineConfig(scheduler=SchedulerConfig(max_num_seqs, 256),
+    engine = LLMEngine(EngineConfig(dtype="float32", scheduler=SchedulerConfig(max_num_seqs, 256),
                                     cache=CacheConfig(num_kv_blocks=num_kv_blocks),
                                     speculative=app_kwargs.pop("speculative", None)), loaded)
     async_engine = AsyncEngine(engine, max_waiting=app_kwargs.pop("max_waiting", None),
@@ -63,7 +63,7 @@ def _client(base: str, key: str = "none") -> openai.OpenAI:
 
 
 def _offline(loaded, prompts, params):
-    return LLM(loaded=loaded, num_kv_blocks=256).generate(prompts, params)
+    return LLM(dtype="float32", loaded=loaded, num_kv_blocks=256).generate(prompts, params)
 
 
 def _wait_idle(engine: LLMEngine, timeout: float = 10.0) -> None:

@@ -95,7 +95,7 @@ def _rss_kib() -> int:
 
 def test_soak_500_requests_with_disconnects(tiny_llama):
     rng = random.Random(2026)
-    llm = LLM(loaded=tiny_llama, max_num_seqs=64)
+    llm = LLM(dtype="float32", loaded=tiny_llama, max_num_seqs=64)
     with running_server(tiny_llama, max_num_seqs=64, num_kv_blocks=1024) as (base, engine):
         rss, threads = [], []
         for round_no in range(2):

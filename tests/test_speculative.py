@@ -140,8 +140,8 @@ def test_smollm2_float32_gives_the_same_tokens_stops_and_logprobs_with_prompt_lo
                                                                                      schedule):
     prompts = [p for p, _ in smol_requests]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=1) for _, n in smol_requests]
-    plain = LLM(loaded=smollm2, max_num_seqs=4).generate(prompts, params)
-    spec = LLM(loaded=smollm2, max_num_seqs=4, speculative_config={"num_speculative_tokens": 4,
+    plain = LLM(dtype="float32", loaded=smollm2, max_num_seqs=4).generate(prompts, params)
+    spec = LLM(dtype="float32", loaded=smollm2, max_num_seqs=4, speculative_config={"num_speculative_tokens": 4,
                                                                    "num_speculative_tokens_schedule": schedule})
     drafted = spec.generate(prompts, params)
     assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
@@ -153,7 +153,7 @@ def test_smollm2_float32_gives_the_same_tokens_stops_and_logprobs_with_prompt_lo
     # A stop string inside a run of accepted drafts ends the output where it ends one token at a time.
     stops = [o.text[len(o.text) // 2 : len(o.text) // 2 + 6] for o in plain]
     params = [SamplingParams(max_tokens=n, temperature=0.0, stop=[s]) for (_, n), s in zip(smol_requests, stops)]
-    expected = LLM(loaded=smollm2, max_num_seqs=4).generate(prompts, params)
+    expected = LLM(dtype="float32", loaded=smollm2, max_num_seqs=4).generate(prompts, params)
     got = spec.generate(prompts, params)
     assert [(o.text, o.token_ids, o.finish_reason) for o in got] == \
         [(o.text, o.token_ids, o.finish_reason) for o in expected]

@@ -71,7 +71,7 @@ def reference(tiny_llama_dir, tiny_llama):
 
 
 def test_greedy_constrained_outputs_equal_transformers_masked_argmax(tiny_llama, reference):
-    llm = LLM(loaded=tiny_llama, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=128, block_size=8)
+    llm = LLM(dtype="float32", loaded=tiny_llama, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=128, block_size=8)
     params = [SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=c) for _, c, _ in reference]
     outs = llm.generate([p for p, _, _ in reference], params)
     for out, (_, constraint, expected) in zip(outs, reference):
@@ -102,7 +102,7 @@ def test_constrained_requests_in_any_batch_mix_equal_alone(tiny_llama, reference
 
 
 def test_sampled_outputs_follow_their_constraint(tiny_llama):
-    llm = LLM(loaded=tiny_llama, max_num_seqs=8, num_kv_blocks=128, block_size=8)
+    llm = LLM(dtype="float32", loaded=tiny_llama, max_num_seqs=8, num_kv_blocks=128, block_size=8)
     params = [SamplingParams(max_tokens=60, temperature=1.5, seed=seed, structured_outputs=c)
               for c in CONSTRAINTS for seed in range(4)]
     outs = llm.generate(["Once upon a time"] * len(params), params)

@@ -43,7 +43,7 @@ def test_a_named_call_holds_the_reply_to_its_parameters(smol, smollm2):
     assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
     # The reply is the output that the parameters' schema gives offline, on the prompt the template renders.
     prompt = smollm2.tokenizer.apply_chat_template(MESSAGES, tools=[WEATHER, TIME])
-    offline = LLM(loaded=smollm2).generate(prompt, SamplingParams(
+    offline = LLM(dtype="float32", loaded=smollm2).generate(prompt, SamplingParams(
         max_tokens=48, temperature=0, structured_outputs=StructuredOutputParams(json=WEATHER["function"]["parameters"])))
     assert call.function.arguments == offline[0].text
 

@@ -21,10 +21,10 @@ import torch
 from loom.bench.matmul_timing import dense_twin, matmul_backend_name, matmul_peak
 from loom.bench.memory_roofline import read_bandwidth, run_roofline, weight_bytes
 from loom.bench.workloads import BenchRequest, article_workload, mixed_workload, shared_prefix_workload
-from loom.cli import engine_config
 from loom.config import SchedulerConfig
 from loom.engine.engine import LLMEngine
 from loom.engine.trace import StepTracer
+from loom.engine_args import engine_config
 from loom.model.loader import load_model
 from loom.sampling import SamplingParams
 

@@ -120,6 +120,15 @@ class LLMEngine:
         self.num_accepted_tokens = 0
         keep_large_allocations()  # a step's big buffers (logits of many rows) reused, not faulted in (host_memory.py)
 
+    def describe(self) -> str:
+        """What this engine chose to run with, for a server's start-up log."""
+        spec, blocks = self.runner.kv_spec, self.runner.num_blocks
+        layers = self.runner.model.layer_linears()
+        return (f"dtype {str(self.config.dtype).removeprefix('torch.')}, {self.config.num_threads or torch.get_num_threads()} "
+                f"threads; layer matmuls {type(layers[0]).__name__ if layers else 'none'}, attention "
+                f"{type(self.runner.attention).__name__}; KV cache {blocks} blocks of {spec.block_size} tokens "
+                f"({blocks * spec.bytes_per_block / (1 << 20):.0f} MiB, {blocks * spec.block_size} tokens)")
+
     @contextmanager
     def observing(self, observer: StepObserver) -> Iterator[None]:
         """Call `observer` after every step inside the with-block."""

@@ -18,7 +18,7 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype = "auto",
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         policy: str = "continuous",

@@ -19,6 +19,7 @@ from types import ModuleType
 import torch
 
 from loom.cache_dir import default_cache_dir
+from loom.cpu import cpu_flags, cpuinfo_line
 
 log = logging.getLogger(__name__)
 
@@ -26,17 +27,9 @@ _SOURCES = Path(__file__).parent / "csrc"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
-def _cpuinfo_line(prefix: str) -> str | None:
-    """The first line of /proc/cpuinfo that starts with `prefix` ("model name", "flags"), or None where there is none."""
-    try:
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(prefix))
-    except (OSError, StopIteration):
-        return None
-
-
 def _build_dir() -> Path:
     """One build per torch version and CPU model: -march=native code must not move to another machine."""
-    cpu = _cpuinfo_line("model name") or platform.processor() or platform.machine()
+    cpu = cpuinfo_line("model name") or platform.processor() or platform.machine()
     key = hashlib.sha256(f"{torch.__version__}:{cpu}:{_FLAGS}".encode()).hexdigest()[:12]
     return default_cache_dir() / "kernels" / key
 
@@ -103,12 +96,6 @@ def load_packed_linear(verbose: bool = False) -> ModuleType | None:
 def load_quantized_linear(verbose: bool = False) -> ModuleType | None:
     """The compiled `quantized_linear` module (GGUF Q4_0 / Q4_1 / Q8_0 weights), or None if it cannot be built here."""
     return _load("loom_quantized_linear", ["quantized_linear.cpp"], verbose)
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
-    line = _cpuinfo_line("flags")
-    return set(line.split(":", 1)[1].split()) if line else set()
 
 
 def load_amx_linear(verbose: bool = False) -> ModuleType | None:

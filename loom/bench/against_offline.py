@@ -1,0 +1,140 @@
+"""`loom bench serve --against-offline`: one workload offline (`LLMEngine` in this process), then through a
+`loom serve` this command starts with the same engine settings, at each concurrency; the ratios side by side.
+
+At concurrency 1 each request runs alone (offline: one request at a time on the engine; online: one client), and the
+figure is the time per output token after the first. At higher concurrencies the offline engine runs the whole
+workload with `max_num_seqs` = that concurrency, as that many clients keep that many requests in flight; the figure
+is output tokens per second. Client and server share this machine's cores: the client's own CPU time and the
+server's are reported beside every online figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from loom.bench.openmp_census import parked_openmp_workers
+from loom.bench.serve_client import free_loopback_port, run_benchmark, wait_until_healthy
+from loom.bench.stats import distribution, summarize
+from loom.bench.workloads import BenchRequest, mixed_workload
+from loom.config import SchedulerConfig
+from loom.engine.engine import LLMEngine
+from loom.engine_args import engine_config, engine_flags
+from loom.model.loader import load_model
+from loom.sampling import SamplingParams
+
+
+def _greedy(request: BenchRequest) -> SamplingParams:
+    return SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def offline_single_stream(engine: LLMEngine, requests: list[BenchRequest]) -> dict:
+    """Each request alone: its time per output token after the first, and its time to first token."""
+    tpots, ttfts, tokens, seconds = [], [], 0, 0.0
+    for request in requests:
+        started = time.perf_counter()
+        engine.add_request(request.prompt, _greedy(request))
+        output = next(iter(engine.run_to_completion().values()))
+        seconds += time.perf_counter() - started
+        metrics, n = output.metrics, len(output.token_ids)
+        tokens += n
+        ttfts.append(metrics.ttft)
+        if n > 1:
+            tpots.append((metrics.finish_time - metrics.first_token_time) / (n - 1))
+    return {"output_token_throughput": tokens / seconds, "tpot_ms": distribution(tpots),
+            "ttft_ms": distribution(ttfts)}
+
+
+def offline_concurrent(engine: LLMEngine, requests: list[BenchRequest], concurrency: int) -> dict:
+    """The whole workload with at most `concurrency` requests running: output tokens per second."""
+    scheduler = engine.config.scheduler
+    engine.set_scheduler(SchedulerConfig(concurrency, scheduler.max_num_batched_tokens, scheduler.policy,
+                                         scheduler.long_prefill_chunk_tokens))
+    started = time.perf_counter()
+    for request in requests:
+        engine.add_request(request.prompt, _greedy(request))
+    outputs = engine.run_to_completion().values()
+    seconds = time.perf_counter() - started
+    return {"output_token_throughput": sum(len(o.token_ids) for o in outputs) / seconds, "seconds": seconds}
+
+
+def _process_cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _requests_at(requests: list[BenchRequest], concurrency: int, single_stream_requests: int) -> list[BenchRequest]:
+    return requests[:single_stream_requests] if concurrency == 1 else requests
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    levels = [int(c) for c in str(args.concurrency or "1,64").split(",")]
+    loaded = load_model(args.serve_model)
+    requests = mixed_workload(loaded.tokenizer, args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
+                              seed=args.seed)
+    args.max_num_seqs = max(levels)
+    engine = LLMEngine(engine_config(args), loaded)
+    engine.warm_up()
+    offline = {}
+    for level in levels:
+        chosen = _requests_at(requests, level, args.single_stream_requests)
+        offline[level] = (offline_single_stream(engine, chosen) if level == 1
+                          else offline_concurrent(engine, chosen, level))
+    dtype = str(engine.config.dtype).removeprefix("torch.")
+    del engine, loaded
+    gc.collect()
+
+    port = free_loopback_port()
+    command = [sys.executable, "-m", "loom.cli", "serve", *([args.serve_model] if args.serve_model else []),
+               "--port", str(port), *engine_flags(args)]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    rows = []
+    try:
+        wait_until_healthy(base, timeout=600)
+        asyncio.run(run_benchmark(base, requests[:1], 1))  # the server's first request, untimed
+        for level in levels:
+            chosen = _requests_at(requests, level, args.single_stream_requests)
+            client_before, server_before = time.process_time(), _process_cpu_seconds(server.pid)
+            records, duration = asyncio.run(run_benchmark(base, chosen, level, seed=args.seed))
+            client_cpu, server_cpu = time.process_time() - client_before, _process_cpu_seconds(server.pid) - server_before
+            online = summarize(records, duration)
+            if level == 1:
+                ratio = {"tpot_online_over_offline": online["tpot_ms"]["median"] / offline[level]["tpot_ms"]["median"]}
+            else:
+                ratio = {"throughput_online_over_offline":
+                         online["output_token_throughput"] / offline[level]["output_token_throughput"]}
+            rows.append({"concurrency": level, "requests": len(chosen), "dtype": dtype, "offline": offline[level],
+                         "online": {key: online[key] for key in ("completed", "failed", "duration_s",
+                                                                 "output_token_throughput", "ttft_ms", "tpot_ms",
+                                                                 "itl_ms")},
+                         **{key: round(value, 3) for key, value in ratio.items()},
+                         "client_cpu_s": round(client_cpu, 2), "server_cpu_s": round(server_cpu, 2),
+                         "errors": sorted({r.error for r in records if r.error})[:3]})
+        for row in rows:
+            row["server_openmp_workers"] = parked_openmp_workers(server.pid)
+    finally:
+        server.terminate()
+        _, log = server.communicate(timeout=60)
+    if not rows:
+        raise RuntimeError(f"loom serve did not come up: {log[-2000:]}")
+    return rows
+
+
+def summary_line(row: dict) -> str:
+    """One line a person reads: the concurrency, the offline and online figures and their ratio."""
+    if row["concurrency"] == 1:
+        offline, online = row["offline"]["tpot_ms"]["median"], row["online"]["tpot_ms"]["median"]
+        return (f"1 stream: {offline:.2f} ms/token offline, {online:.2f} online "
+                f"({row['tpot_online_over_offline']:.3f}x); TTFT p99 {row['online']['ttft_ms']['p99']:.0f} ms")
+    offline, online = row["offline"]["output_token_throughput"], row["online"]["output_token_throughput"]
+    return (f"{row['concurrency']} clients: {offline:.1f} tok/s offline, {online:.1f} online "
+            f"({row['throughput_online_over_offline']:.3f}x); TTFT p50/p99 {row['online']['ttft_ms']['median']:.0f}/"
+            f"{row['online']['ttft_ms']['p99']:.0f} ms; client CPU {row['client_cpu_s']:.1f} s, server CPU "
+            f"{row['server_cpu_s']:.1f} s of {row['online']['duration_s']:.1f} s")
