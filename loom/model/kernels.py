@@ -27,11 +27,34 @@ _SOURCES = Path(__file__).parent / "csrc"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
-def _build_dir() -> Path:
-    """One build per torch version and CPU model: -march=native code must not move to another machine."""
+def _build_key(sources: list[Path]) -> str:
+    """What a build depends on: its sources' and every header's contents, the compiler flags, torch's version and
+    the CPU (-march=native code must not move to another machine). Checkouts and environments with the same key
+    share one build; a checkout whose sources differ gets its own."""
+    digest = hashlib.sha256()
+    for path in sorted(sources) + sorted(_SOURCES.glob("*.h")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     cpu = cpuinfo_line("model name") or platform.processor() or platform.machine()
-    key = hashlib.sha256(f"{torch.__version__}:{cpu}:{_FLAGS}".encode()).hexdigest()[:12]
-    return default_cache_dir() / "kernels" / key
+    flags = " ".join(sorted(cpu_flags()))
+    digest.update(f"{_FLAGS}:{torch.__version__}:{cpu}:{flags}".encode())
+    return digest.hexdigest()[:16]
+
+
+def build_directory(name: str, sources: list[str]) -> Path:
+    """Where module `name` built from csrc/`sources` lives in the cache: one directory per build key."""
+    return default_cache_dir() / "kernels" / f"{name}-{_build_key([_SOURCES / source for source in sources])}"
+
+
+def _source_copy(build_dir: Path, sources: list[Path]) -> list[Path]:
+    """The sources and headers copied into the build directory, once: the build reads them from there, so its
+    paths are the same from every checkout (torch rebuilds a module whose source paths changed)."""
+    copies = build_dir / "src"
+    copies.mkdir(exist_ok=True)
+    for path in sources + sorted(_SOURCES.glob("*.h")):
+        copy = copies / path.name
+        if not copy.exists() or copy.read_bytes() != path.read_bytes():
+            copy.write_bytes(path.read_bytes())
+    return [copies / path.name for path in sources]
 
 
 @contextmanager
@@ -55,13 +78,14 @@ def _load(name: str, sources: list[str], verbose: bool) -> ModuleType | None:
     """Compile csrc/`sources` as module `name` (or find it built), or None with a warning if it cannot be built."""
     from torch.utils import cpp_extension
 
-    build_dir = _build_dir() / name
+    paths = [_SOURCES / source for source in sources]
+    build_dir = build_directory(name, sources)
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         with _build_lock(build_dir):
             return cpp_extension.load(
                 name=name,
-                sources=[str(_SOURCES / source) for source in sources],
+                sources=[str(path) for path in _source_copy(build_dir, paths)],
                 extra_cflags=_FLAGS,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
