@@ -7,12 +7,8 @@ import sys
 
 from rich.console import Console
 
-from loom.config import EngineConfig
+from loom.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, LAYER_OPS, MATMUL_BACKENDS, EngineConfig
 from loom.engine_args import add_engine_args, engine_config, speculative_configs
-from loom.model.attention import ATTENTION_BACKENDS
-from loom.model.kv_quant import KV_CACHE_DTYPES
-from loom.model.layer_ops import LAYER_OPS
-from loom.model.linear import MATMUL_BACKENDS
 from loom.server import KEEP_ALIVE_SECONDS
 
 
@@ -91,7 +87,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger("loom.server").warning(
             "binding %s without --api-key: anyone who can reach this port can use the model", args.host)
     app = create_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                     open_metrics=args.open_metrics, trust_request_chat_template=args.trust_request_chat_template)
+                     open_metrics=args.open_metrics, trust_request_chat_template=args.trust_request_chat_template,
+                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the handler it found: make that a no-op so
     # a clean drain exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -113,7 +110,10 @@ def cmd_bench_perf(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from loom.bench.serve_client import main as bench_main
+    if args.against_offline:
+        from loom.bench.against_offline import main as bench_main
+    else:
+        from loom.bench.serve_client import main as bench_main
 
     return bench_main(args)
 
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="a stop string (repeatable)")
     g.add_argument("--model", default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                       help="auto: bfloat16 where the CPU has AMX-BF16 or AVX512-BF16, else float32")
+                   help="auto: bfloat16 where the CPU has AMX-BF16 or AVX512-BF16, else float32")
     g.add_argument("--threads", type=int, default=None)
     g.set_defaults(func=cmd_generate)
 
@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--plot", metavar="DIR", default=None, help="write the static vs continuous timeline PNG here")
     d.add_argument("--model", default=None)
     d.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                       help="auto: bfloat16 where the CPU has AMX-BF16 or AVX512-BF16, else float32")
+                   help="auto: bfloat16 where the CPU has AMX-BF16 or AVX512-BF16, else float32")
     d.add_argument("--threads", type=int, default=None)
     d.set_defaults(func=cmd_demo)
 
@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a jinja chat template (a file, or the template itself) in place of the model's")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="let chat and tokenize requests bring their own chat_template (templates are code)")
+    s.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (vLLM's: special tokens, chat template; lm-eval's remote tokenizer)")
     s.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds to drain on SIGTERM")
     s.add_argument("--keep-alive-timeout", type=float, default=KEEP_ALIVE_SECONDS,
                    help="seconds an idle HTTP keep-alive connection stays open; keep it above clients' idle expiry "

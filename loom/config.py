@@ -7,11 +7,14 @@ from dataclasses import dataclass, field
 import torch
 
 from loom.cpu import auto_dtype
-from loom.model.attention import ATTENTION_BACKENDS
-from loom.model.kv_quant import KV_CACHE_DTYPES
-from loom.model.layer_ops import LAYER_OPS
-from loom.model.linear import MATMUL_BACKENDS, QUANTIZATIONS
 
+# The choices of the engine's backend options; their meanings are where each is made (model/attention.py
+# make_attention, model/linear.py make_matmul, model/layer_ops.py make_layer_ops, model/kv_quant.py).
+ATTENTION_BACKENDS = ("auto", "paged", "sdpa", "reference")
+MATMUL_BACKENDS = ("auto", "amx", "packed", "torch")
+QUANTIZATIONS = ("auto", "gguf", "none")
+LAYER_OPS = ("auto", "fused", "torch")
+KV_CACHE_DTYPES = ("auto", "int8")  # "auto": the model's dtype
 SPECULATIVE_SCHEDULES = ("constant", "heuristic", "heuristic_transient")  # SpeculativeConfig's
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from rich.console import Console
 
 from loom.config import SchedulerConfig
-from loom.engine.engine import LLMEngine, RequestOutput
+from loom.engine.engine import LLMEngine
+from loom.engine.outputs import RequestOutput
 from loom.engine.runner import StepResult
 from loom.engine.scheduler import SchedulerOutput
 from loom.engine.trace import StepRecord, StepTracer

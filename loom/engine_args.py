@@ -6,11 +6,17 @@ import argparse
 import dataclasses
 import json
 
-from loom.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from loom.model.attention import ATTENTION_BACKENDS
-from loom.model.kv_quant import KV_CACHE_DTYPES
-from loom.model.layer_ops import LAYER_OPS
-from loom.model.linear import MATMUL_BACKENDS, QUANTIZATIONS
+from loom.config import (
+    ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
+    LAYER_OPS,
+    MATMUL_BACKENDS,
+    QUANTIZATIONS,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 
 
 def add_engine_args(p: argparse.ArgumentParser, kv_cache_gib: float, one_setting: bool = True) -> None:

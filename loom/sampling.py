@@ -15,6 +15,15 @@ MAX_CHOICES = 1024  # strings in a structured output's choice
 
 
 @dataclass
+class TokenLogprob:
+    """The chosen token's log-probability and, if asked, the top alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class StructuredOutputParams:
     """A constraint on the output's text, as vLLM's `structured_outputs` names them: exactly one of a JSON schema
     (`json`: a dict or its JSON text), any JSON object (`json_object`), a regular expression (`regex`), one of a

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from loom.engine.batch import BatchMetadata
+from loom.model.batch_metadata import BatchMetadata
 from loom.tokenizer import Tokenizer
 
 

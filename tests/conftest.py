@@ -15,7 +15,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from loom import LLMEngine, SamplingParams
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig

@@ -12,15 +12,23 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import random_quantized, torch_threads
 
 from loom import LLM, SamplingParams
 from loom.model.kernels import load_amx_linear
 from loom.model.layer_ops import TorchLayerOps, make_layer_ops
-from loom.model.linear import (AmxLinear, AmxQuantizedLinear, AmxQuantizedSiluMulLinear, AmxSiluMulLinear,
-                               PackedLinear, SiluMulAfter, interleave_gate_up, make_matmul, pack_amx_tiles)
+from loom.model.linear import (
+    AmxLinear,
+    AmxQuantizedLinear,
+    AmxQuantizedSiluMulLinear,
+    AmxSiluMulLinear,
+    PackedLinear,
+    SiluMulAfter,
+    interleave_gate_up,
+    make_matmul,
+    pack_amx_tiles,
+)
 from loom.model.quantized import concat_rows
-
-from conftest import random_quantized, torch_threads
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import torch_threads
 
 from loom.engine.kv_cache import KVCacheSpec
 from loom.model.attention import KVCache, write_kv
 from loom.model.kernels import load_paged_attention
 from loom.model.kv_quant import quantize_heads
-
-from conftest import torch_threads
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from conftest import drive, greedy, make_engine, random_workload
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import drive, greedy, make_engine, random_workload
 from loom.engine.request import RequestStatus
 
 

@@ -8,6 +8,7 @@ import statistics
 
 import pytest
 import torch
+from test_server import running_server
 
 from loom import EngineConfig, LLMEngine, SamplingParams
 from loom.bench.memory_roofline import read_bandwidth, run_roofline, weight_bytes
@@ -18,7 +19,6 @@ from loom.bench.workloads import BenchRequest, jsonl_workload
 from loom.config import CacheConfig, SchedulerConfig
 from loom.engine.trace import StepRecord, StepTracer
 from loom.model.linear import make_matmul
-from test_server import running_server
 
 
 def test_distribution_percentiles():
@@ -172,7 +172,13 @@ def test_shared_prefix_workload_shares_its_system_prompt(smollm2):
 
 def test_perf_figures_on_a_tiny_model(tiny_llama):
     from loom.bench.matmul_timing import shape_gflops
-    from loom.bench.perf import decode_step, matmul_peak, prefill, prefill_interference, verify_steps
+    from loom.bench.perf import (
+        decode_step,
+        matmul_peak,
+        prefill,
+        prefill_interference,
+        verify_steps,
+    )
 
     engine = LLMEngine(EngineConfig(dtype="float32", scheduler=SchedulerConfig(8, 256), cache=CacheConfig(num_kv_blocks=256,
                                                                                          enable_prefix_caching=False)),

@@ -8,15 +8,14 @@ import random
 
 import pytest
 import torch
-
 from conftest import drive, make_engine, random_workload, torch_threads
+from test_attention import obvious_chunk, obvious_decode
+
 from loom.config import CacheConfig
 from loom.engine.kv_cache import KVCacheSpec
 from loom.model.attention import KVCache, write_kv
 from loom.model.kernels import load_paged_attention
 from loom.model.kv_quant import dequantize_heads, quantize_heads
-
-from test_attention import obvious_chunk, obvious_decode
 
 
 @pytest.fixture(scope="module")

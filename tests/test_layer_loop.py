@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import greedy, torch_threads
+
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.engine.engine import LLMEngine
 from loom.engine.llm import LLM

@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loom.model.linear import (MatmulBackend, PackedLinear, TorchLinear, make_matmul, pack_panels,
-                               pad_to_panels)
+from loom.model.linear import MatmulBackend, PackedLinear, TorchLinear, make_matmul, pack_panels, pad_to_panels
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from conftest import drive, greedy, make_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import drive, greedy, make_engine
 from loom import LLM, SamplingParams
 from loom.engine.kv_cache import BlockPool, block_hashes
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import make_engine
+
 from loom import LLM, SamplingParams
 from loom.model.loader import load_model
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import GGML_TYPES, random_quantized
 from gguf.quants import dequantize
 
 from loom import LLM, SamplingParams
 from loom.config import EngineConfig
 from loom.model.linear import QuantizedLinear, make_matmul, pack_panels, pad_to_panels
 from loom.model.quantized import QuantizedWeight, concat_rows
-
-from conftest import GGML_TYPES, random_quantized
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import hf_greedy
+
 from loom import LLM, SamplingParams
 from loom.demo import ARTICLE_REQUESTS
 from loom.model.loader import load_model

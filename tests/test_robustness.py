@@ -11,9 +11,9 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from test_server import _wait_idle, running_server
 
 from loom import LLM, SamplingParams
-from test_server import _wait_idle, running_server
 
 
 def fail_steps(engine, count: int, exc: type[Exception] = RuntimeError) -> list[list[str]]:

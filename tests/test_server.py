@@ -14,10 +14,10 @@ import pytest
 import uvicorn
 
 from loom import LLM, SamplingParams, StructuredOutputParams
+from loom.bench.serve_client import free_loopback_port, wait_until_healthy
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.engine.async_engine import AsyncEngine
 from loom.engine.engine import LLMEngine
-from loom.bench.serve_client import free_loopback_port, wait_until_healthy
 from loom.server import KEEP_ALIVE_SECONDS
 from loom.server.app import create_app
 
@@ -244,7 +244,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, tiny_l
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert lp["token_logprobs"][1:n] == pytest.approx([e.logprob for e in offline.prompt_logprobs[1:]], abs=1e-5)
     assert lp["token_logprobs"][n:] == pytest.approx([e.logprob for e in offline.logprobs], abs=1e-5)
-    assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+    for token, logprob, top in list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))[1:]:
+        assert 1 <= len(top) <= 2 and top[token] >= logprob - 1e-6  # the best token, and the one scored (k + 1)
     assert lp["text_offset"][0] == 0 and lp["text_offset"][n] == len(tok.decode(prompt_ids))
 
     with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=30) as resp:
@@ -267,6 +268,32 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, tiny_l
     assert [v for e in events for v in e["choices"][0]["logprobs"]["token_logprobs"]] == \
         only["logprobs"]["token_logprobs"]
     assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_legacy_top_logprobs_hold_the_k_best_and_the_sampled_token_through_the_openai_client(server, tiny_llama):
+    """OpenAI's legacy completions (and vLLM) list up to k + 1 entries: a client finds the sampled token there."""
+    base, _ = server
+    for temperature in (0.0, 1.5):  # a sampled token is often not among the k best
+        answer = _client(base).completions.create(model="tiny", prompt="Once upon a time", max_tokens=16,
+                                                   logprobs=2, temperature=temperature, seed=7, extra_body={
+                                                       "ignore_eos": True})
+        lp = answer.choices[0].logprobs
+        assert len(lp.tokens) == 16
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert len(top) <= 3 and top[token] >= logprob - 1e-6  # texts of two ids can be the same
+        if temperature:
+            assert any(len(top) == 3 for top in lp.top_logprobs)
+
+
+def test_tokenizer_info_only_where_enabled(tiny_llama):
+    with running_server(tiny_llama) as (base, _):
+        assert httpx.get(base + "/tokenizer_info", timeout=10).status_code == 404
+    with running_server(tiny_llama, enable_tokenizer_info_endpoint=True) as (base, _):
+        info = httpx.get(base + "/tokenizer_info", timeout=10).json()
+    tok = tiny_llama.tokenizer
+    assert info["tokenizer_class"] == "PreTrainedTokenizerFast" and info["model_max_length"] == 512
+    assert info["eos_token"] == "<|endoftext|>" and tok.backend.token_to_id(info["eos_token"]) in tok.eos_token_ids
+    assert info["chat_template"] == tok.chat_template and info["vocab_size"] == tiny_llama.config.vocab_size
 
 
 def test_chat_plain_streaming_and_logprobs_match_offline(smol_server, smollm2):

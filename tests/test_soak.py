@@ -10,9 +10,9 @@ import threading
 from dataclasses import dataclass, field
 
 import httpx
+from test_server import _wait_idle, running_server
 
 from loom import LLM, SamplingParams
-from test_server import _wait_idle, running_server
 
 WORDS = "the a cat dog runs jumps over under quickly slowly machine learning attention batch token".split()
 

@@ -9,10 +9,10 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import drive, make_engine, random_workload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import drive, make_engine, random_workload
 from loom import LLM, SamplingParams
 from loom.bench.workloads import mixed_workload
 from loom.cli import build_parser

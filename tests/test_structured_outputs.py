@@ -8,10 +8,10 @@ import re
 
 import pytest
 import torch
-
 from conftest import make_engine
+
 from loom import LLM, SamplingParams, StructuredOutputParams
-from loom.engine.structured_output import GrammarCompiler, forbidden_tokens
+from loom.structured_output import GrammarCompiler, forbidden_tokens
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]},
                                           "tag": {"type": "string", "pattern": "^[a-z]{2,4}$"}},

@@ -8,9 +8,9 @@ import json
 
 import httpx
 import pytest
+from test_server import _client, running_server
 
 from loom import LLM, SamplingParams, StructuredOutputParams
-from test_server import _client, running_server
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather now in a city",

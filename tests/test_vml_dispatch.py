@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import loom.model.loader
-from loom.model.llama import LlamaModel
 from loom.model.linear import make_matmul
+from loom.model.llama import LlamaModel
 from loom.model.vml_dispatch import VML_FUNCTIONS, settle_vml_dispatch
 
 

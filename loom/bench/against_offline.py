@@ -13,11 +13,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from rich.console import Console
 
 from loom.bench.openmp_census import parked_openmp_workers
 from loom.bench.serve_client import free_loopback_port, run_benchmark, wait_until_healthy
@@ -138,3 +141,12 @@ def summary_line(row: dict) -> str:
             f"({row['throughput_online_over_offline']:.3f}x); TTFT p50/p99 {row['online']['ttft_ms']['median']:.0f}/"
             f"{row['online']['ttft_ms']['p99']:.0f} ms; client CPU {row['client_cpu_s']:.1f} s, server CPU "
             f"{row['server_cpu_s']:.1f} s of {row['online']['duration_s']:.1f} s")
+
+
+def main(args: argparse.Namespace) -> int:
+    rows = run(args)
+    for row in rows:
+        print(json.dumps(row))
+    for row in rows:
+        Console(stderr=True).print(summary_line(row))
+    return 0 if all(not row["errors"] for row in rows) else 1

@@ -11,10 +11,11 @@ from loom.bench.workloads import BenchRequest
 
 def load_hf_model(model_path: str | None, dtype: torch.dtype = torch.float32):
     """The same weights through transformers' own loader (GGUF or HF directory), in `dtype`."""
+    from pathlib import Path
+
     import transformers
 
     from loom.model.loader import default_model_path
-    from pathlib import Path
 
     path = Path(model_path) if model_path else default_model_path()
     kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}

@@ -33,8 +33,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
-from loom.bench.matmul_timing import (dense_twin, matmul_backend_name, matmul_peak, matmuls_alone, median_seconds,
-                                      shape_gflops)
+from loom.bench.matmul_timing import (
+    dense_twin,
+    matmul_backend_name,
+    matmul_peak,
+    matmuls_alone,
+    median_seconds,
+    shape_gflops,
+)
 from loom.bench.memory_roofline import read_bandwidth, weight_bytes
 from loom.bench.offline import emit, run_once
 from loom.bench.serve_client import free_loopback_port, wait_until_healthy

@@ -12,7 +12,6 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from loom.engine.trace import StepRecord  # noqa: E402
 
-
 # tab20 without its two greys, which are kept for padding.
 _COLORS = [plt.get_cmap("tab20")(i) for i in range(20) if i not in (14, 15)]
 

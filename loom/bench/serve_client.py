@@ -136,15 +136,6 @@ def _table(rows: list[dict]) -> Table:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.against_offline:
-        from loom.bench.against_offline import run, summary_line
-
-        rows = run(args)
-        for row in rows:
-            print(json.dumps(row))
-        for row in rows:
-            Console(stderr=True).print(summary_line(row))
-        return 0 if all(not row["errors"] for row in rows) else 1
     requests = _workload(args)
     console = Console(stderr=args.json)
     levels = [int(c) for c in str(args.concurrency).split(",")] if args.concurrency else [None]

@@ -22,27 +22,14 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from loom.engine.engine import LLMEngine, RequestOutput, StepFailed
+from loom.engine.client import EngineDead, EngineOverloaded, EngineStats, RequestFailed, RequestTimedOut
+from loom.engine.engine import LLMEngine, StepFailed
+from loom.engine.metrics import EngineMetrics
+from loom.engine.outputs import RequestOutput
 from loom.engine.request import Request
 from loom.sampling import SamplingParams
 
 log = logging.getLogger("loom.engine")
-
-
-class EngineOverloaded(Exception):
-    """The waiting queue is over its limit: try again later."""
-
-
-class EngineDead(Exception):
-    """The engine loop stopped on a fatal error; no request can be served."""
-
-
-class RequestFailed(Exception):
-    """The model step running this request raised; the request was ended (the engine itself goes on)."""
-
-
-class RequestTimedOut(Exception):
-    """The request ran past the server's per-request deadline and was aborted."""
 
 
 @dataclass
@@ -90,7 +77,8 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Thread-backed wrapper: `add()` queues a request; its RequestStream yields outputs as steps produce them."""
+    """The EngineClient of an engine in this process (loom/engine/client.py): `add()` queues a request; its
+    RequestStream yields outputs as steps produce them."""
 
     engine: LLMEngine  # set on the engine thread, before the constructor returns
 
@@ -109,7 +97,6 @@ class AsyncEngine:
         self._handoff: dict[asyncio.AbstractEventLoop, list] = {}  # this step's deliveries; engine thread only
         self._stopping = False
         self.error: BaseException | None = None
-        self.on_abort: Callable[[RequestOutput], None] | None = None  # e.g. metrics; runs on the engine thread
         built = threading.Event()
         failure: list[BaseException] = []
         self._thread = threading.Thread(target=self._run, args=(engine, built, failure), name="loom-engine",
@@ -118,6 +105,11 @@ class AsyncEngine:
         built.wait()
         if failure:
             raise failure[0]
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self.vocab_size = self.engine.model_config.vocab_size
+        self.metrics = EngineMetrics(self.stats)
+        self.engine.step_observers.append(self.metrics.observe_step)  # runs on the engine thread
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -136,9 +128,17 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + self._commands.qsize()
 
-    @property
-    def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+    def stats(self) -> EngineStats:
+        """Read from another thread: each figure is whole, though two may be a step apart."""
+        engine = self.engine
+        return EngineStats(running=len(engine.scheduler.running), waiting=self.num_waiting,
+                           kv_blocks_used=engine.pool.num_used_blocks, kv_blocks_total=engine.pool.num_usable_blocks,
+                           prefix_cache_queries=engine.scheduler.prefix_cache_queries,
+                           prefix_cache_hits=engine.scheduler.prefix_cache_hits,
+                           draft_tokens=engine.num_draft_tokens, accepted_tokens=engine.num_accepted_tokens)
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.render()
 
     # --- requests -----------------------------------------------------------------------------------------------
 
@@ -217,9 +217,8 @@ class AsyncEngine:
             self._ended_early(output, error)
 
     def _ended_early(self, output: RequestOutput, error: BaseException | None = None) -> None:
-        """Report a request the engine ended outside a normal step: to `on_abort`, then to its stream."""
-        if self.on_abort is not None:
-            self.on_abort(output)
+        """Report a request the engine ended outside a normal step: to the metrics, then to its stream."""
+        self.metrics.finish(output)
         self._deliver(output.request_id, error if error is not None else output)
 
     def _expire_deadlines(self) -> None:

@@ -1,74 +1,14 @@
-"""BatchMetadata: the tensors one packed step runs on, built from a SchedulerOutput with numpy, no per-token loops.
-
-Sequences are ordered decodes first (query length 1, padding tokens included), then prefill chunks, so the
-attention backend runs every decode in one batched call. Every layer receives this object explicitly.
-"""
+"""The BatchMetadata of one step (loom/model/batch_metadata.py), built from a SchedulerOutput with numpy, no per-token
+loops."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 import torch
 
 from loom.engine.kv_cache import NULL_BLOCK
 from loom.engine.scheduler import SchedulerOutput
-
-
-@dataclass
-class BatchMetadata:
-    """One step's packed row [T] of B sequences.
-
-    context_lens: tokens of each sequence in the cache once this step's K/V are written.
-    logits_indices: row index of the last scheduled token of each sequence that samples this step; for a request
-        with draft tokens, the rows of its last real token and of each draft, in order (`sample_counts` of them).
-    sampled_scheduled_index: for each sampling request, the index of its entry in `SchedulerOutput.scheduled`.
-    prompt_logprob_indices: rows whose logits score a prompt token (position p scores token p + 1) for requests
-        that asked for prompt logprobs; prompt_logprob_spans says whose, in the same order: (index into
-        `SchedulerOutput.scheduled`, position of the first token scored, number of tokens scored).
-    """
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    cu_seqlens_q: torch.Tensor  # [B+1] int64
-    context_lens: torch.Tensor  # [B] int64
-    slot_mapping: torch.Tensor  # [T] int64
-    block_tables: torch.Tensor  # [B, M] int64, padded with the null block
-    logits_indices: torch.Tensor  # [S] int64
-    num_decodes: int
-    decode_max_blocks: int
-    block_size: int
-    # Host copies for Python-side loops over prefill chunks (no device syncs).
-    query_starts: list[int]
-    context_lens_host: list[int]
-    num_blocks_host: list[int]
-    seq_request_ids: list[str | None]  # None for a padding token
-    seq_scheduled_index: list[int]  # index into SchedulerOutput.scheduled, -1 for padding
-    sampled_scheduled_index: list[int]
-    sample_counts: list[int]  # logits rows of each sampling sequence: 1 + its draft tokens
-    prompt_logprob_indices: torch.Tensor  # [P] int64
-    prompt_logprob_spans: list[tuple[int, int, int]]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_request_ids)
-
-    def query_len(self, i: int) -> int:
-        return self.query_starts[i + 1] - self.query_starts[i]
-
-    @cached_property
-    def decode_mask(self) -> torch.Tensor | None:
-        """[num_decodes, 1, 1, decode_max_blocks * block_size] bool: which keys each decode row sees. Built on first
-        use (by SDPA, once a step), so that the paged kernels' steps do not pay for it."""
-        if not self.num_decodes:
-            return None
-        key_pos = torch.arange(self.decode_max_blocks * self.block_size, device=self.context_lens.device)
-        return (key_pos[None, :] < self.context_lens[: self.num_decodes, None]).view(self.num_decodes, 1, 1, -1)
+from loom.model.batch_metadata import BatchMetadata
 
 
 def build_batch_metadata(

@@ -7,59 +7,26 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from loom.config import EngineConfig, SchedulerConfig, SpeculativeConfig
-from loom.engine.kv_cache import BlockPool, KVCacheSpec
 from loom.engine.host_memory import keep_large_allocations
+from loom.engine.kv_cache import BlockPool, KVCacheSpec
 from loom.engine.ngram_proposer import NgramProposer
-from loom.engine.request import Request, TokenLogprob
+from loom.engine.outputs import RequestMetrics, RequestOutput
+from loom.engine.request import Request
 from loom.engine.runner import ModelRunner, StepResult
 from loom.engine.scheduler import ContinuousScheduler, Scheduler, SchedulerOutput, StaticScheduler
-from loom.engine.structured_output import GrammarCompiler
 from loom.model.attention import make_attention
 from loom.model.layer_ops import make_layer_ops
 from loom.model.linear import make_matmul
 from loom.model.loader import LoadedModel, load_model
 from loom.model.sampler import make_sampler
-from loom.sampling import SamplingParams
+from loom.sampling import SamplingParams, TokenLogprob
+from loom.structured_output import GrammarCompiler
 from loom.tokenizer import IncrementalDetokenizer
-
-
-@dataclass
-class RequestMetrics:
-    """Monotonic-clock timestamps (seconds) of one request's life."""
-
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    finish_time: float | None
-    num_preemptions: int = 0
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-
-@dataclass
-class RequestOutput:
-    """A request's state after a step: full text/tokens so far, plus what is new since the last output."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    new_text: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    metrics: RequestMetrics
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing precedes it).
-    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

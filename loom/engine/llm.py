@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from loom.engine.engine import LLMEngine, RequestOutput
+from loom.engine.engine import LLMEngine
+from loom.engine.outputs import RequestOutput
 from loom.model.loader import LoadedModel
 from loom.sampling import SamplingParams
 

@@ -7,23 +7,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loom.engine.structured_output import GrammarMatcher
-from loom.sampling import SamplingParams
+from loom.sampling import SamplingParams, TokenLogprob
+from loom.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class TokenLogprob:
-    """The chosen token's log-probability and, if asked, the top alternatives at that position."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass

@@ -8,12 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from loom.engine.batch import BatchMetadata, build_batch_metadata
+from loom.engine.batch import build_batch_metadata
 from loom.engine.kv_cache import KVCacheSpec
-from loom.engine.request import TokenLogprob
 from loom.engine.scheduler import SchedulerOutput
 from loom.model.attention import AttentionBackend
+from loom.model.batch_metadata import BatchMetadata
 from loom.model.sampler import Sampler, score_tokens
+from loom.sampling import TokenLogprob
 
 # Prompt logprobs take the LM head over every prompt row: 256 rows of SmolLM2's 49,152 float32 logits are 50 MB at a
 # time, where a 2048-token chunk at once would be 400 MB.

@@ -11,7 +11,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from loom.engine.engine import LLMEngine, RequestOutput
+from loom.engine.engine import LLMEngine
+from loom.engine.outputs import RequestOutput
 from loom.engine.runner import StepResult
 from loom.engine.scheduler import SchedulerOutput
 

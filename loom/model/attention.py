@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
+from loom.config import ATTENTION_BACKENDS
 from loom.model.kernels import kernel_for, load_paged_attention
 from loom.model.kv_quant import dequantize_heads, quantize_heads
 
 if TYPE_CHECKING:
-    from loom.engine.batch import BatchMetadata
+    from loom.model.batch_metadata import BatchMetadata
 
 class KVCache(NamedTuple):
     """One layer's paged caches, K and V each [num_blocks, block_size, num_kv_heads, head_dim] of the model's dtype,
@@ -175,7 +176,6 @@ class ReferenceAttention(PagedAttention):
             out[start:end] = torch.einsum("hnc,chd->nhd", scores.softmax(-1), values).to(q.dtype)
 
 
-ATTENTION_BACKENDS = ("auto", "paged", "sdpa", "reference")
 
 
 def make_attention(name: str) -> AttentionBackend:

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from loom.engine.batch import BatchMetadata
 from loom.model.attention import AttentionBackend, KVCache
+from loom.model.batch_metadata import BatchMetadata
 from loom.model.config import ModelConfig
 from loom.model.linear import Linear, MatmulBackend
 

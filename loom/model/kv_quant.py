@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8")  # "auto": the model's dtype
-
 _INVERSE_127 = torch.tensor(1.0) / 127  # float32, rounded as the kernels' 1.f / 127.f
 
 

@@ -23,9 +23,9 @@ from loom.model.layer_ops import FusedLayerOps, TorchLayerOps
 from loom.model.linear import Linear, LoopOperands, SiluMulAfter, SiluMulLinear
 
 if TYPE_CHECKING:
-    from loom.engine.batch import BatchMetadata
+    from loom.model.batch_metadata import BatchMetadata
     from loom.model.config import ModelConfig
-    from loom.model.llama import LlamaLayer
+    from loom.model.llama_layer import LlamaLayer
 
 
 def operands(linear: Linear | SiluMulLinear) -> LoopOperands | None:

@@ -13,9 +13,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from loom.config import LAYER_OPS
 from loom.model.kernels import kernel_for, load_layer_ops
-
-LAYER_OPS = ("auto", "fused", "torch")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

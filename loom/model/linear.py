@@ -16,11 +16,10 @@ from typing import ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
+from loom.config import MATMUL_BACKENDS, QUANTIZATIONS
 from loom.model.kernels import kernel_for, load_amx_linear, load_packed_linear, load_quantized_linear
 from loom.model.quantized import KERNEL_FORMAT, QuantizedWeight, pack_records
 
-MATMUL_BACKENDS = ("auto", "amx", "packed", "torch")
-QUANTIZATIONS = ("auto", "gguf", "none")
 PANEL_COLUMNS = 16
 AMX_CHUNK = 32  # k values in one row of an AMX weight tile (64 bytes of bfloat16)
 # bfloat16 panels keep each panel's columns in this order; the kernel widens them to float32 in registers and this

@@ -10,18 +10,16 @@ paged attention kernels, one C++ call runs the loop over the layers (layer_loop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from loom.engine.batch import BatchMetadata
 from loom.model.attention import AttentionBackend, KVCache
+from loom.model.batch_metadata import BatchMetadata
 from loom.model.config import ModelConfig
 from loom.model.layer_loop import LayerLoop
 from loom.model.layer_ops import TorchLayerOps
 from loom.model.linear import Linear, MatmulBackend, SiluMulAfter, SiluMulLinear
+from loom.model.llama_layer import LlamaLayer
 from loom.model.quantized import QuantizedWeight, concat_rows
-
 
 # A step's MLP runs in chunks of this many rows a thread, so that a chunk's gate/up product (256 x 2I: 1.5 MiB for
 # SmolLM2) is still in L2 when SiLU x up reads it (where SiLU x up is not the AMX matmul's epilogue) and its output
@@ -38,16 +36,6 @@ MLP_CHUNK_ROWS_PER_THREAD = 256
 # alternating in one process, medians of 6 rounds: 256 rows 401.5 ms, 512 388.7, 1024 376.1 (again: 512 391.0, 1024
 # 378.7, 2048 377.2).
 AMX_MLP_CHUNK_ROWS_PER_THREAD = 1024
-
-
-@dataclass
-class LlamaLayer:
-    input_norm: torch.Tensor
-    qkv: Linear  # hidden -> (H + 2*KVH) * D
-    o: Linear
-    post_norm: torch.Tensor
-    gate_up: SiluMulLinear  # hidden -> intermediate: SiLU(gate) * up
-    down: Linear
 
 
 class LlamaModel:

@@ -12,13 +12,28 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Protocol
 
 import torch
 
-from loom.engine.request import Request, TokenLogprob
-from loom.engine.structured_output import forbidden_tokens
 from loom.model.kernels import load_argmax
-from loom.sampling import SamplingParams
+from loom.sampling import SamplingParams, TokenLogprob
+from loom.structured_output import GrammarMatcher, forbidden_tokens
+
+
+class Request(Protocol):
+    """What the sampler reads of a request (the engine's Request has all of it)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    grammar: GrammarMatcher | None
+    bad_words_token_ids: list[list[int]]
+    stop_token_ids_held_back: list[int]
+
+    @property
+    def below_min_tokens(self) -> bool: ...
 
 
 def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:

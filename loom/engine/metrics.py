@@ -1,39 +1,40 @@
-"""Prometheus metrics for /metrics, fed by the engine's step observer (one registry per server, no globals)."""
+"""The engine's Prometheus metrics, fed by its step observer on the engine thread (one registry per engine, no
+globals); an engine client renders them for the server's /metrics."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from loom.engine.async_engine import AsyncEngine
-from loom.engine.engine import RequestOutput
+from loom.engine.client import EngineStats
+from loom.engine.outputs import RequestOutput
 from loom.engine.runner import StepResult
 from loom.engine.scheduler import SchedulerOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
-class ServerMetrics:
-    def __init__(self, engine: AsyncEngine) -> None:
+class EngineMetrics:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        eng = engine.engine
         Gauge("loom_requests_running", "Requests in the running set", registry=r).set_function(
-            lambda: engine.num_running)
+            lambda: stats().running)
         Gauge("loom_requests_waiting", "Requests waiting for a slot", registry=r).set_function(
-            lambda: engine.num_waiting)
+            lambda: stats().waiting)
         Gauge("loom_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", registry=r).set_function(
-            lambda: eng.pool.num_used_blocks / eng.pool.num_usable_blocks)
-        Gauge("loom_kv_blocks_total", "Usable KV blocks", registry=r).set(eng.pool.num_usable_blocks)
+            lambda: stats().kv_usage)
+        Gauge("loom_kv_blocks_total", "Usable KV blocks", registry=r).set(stats().kv_blocks_total)
         Gauge("loom_prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission",
-              registry=r).set_function(lambda: eng.scheduler.prefix_cache_queries)
+              registry=r).set_function(lambda: stats().prefix_cache_queries)
         Gauge("loom_prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache",
-              registry=r).set_function(lambda: eng.scheduler.prefix_cache_hits)
+              registry=r).set_function(lambda: stats().prefix_cache_hits)
         Gauge("loom_spec_decode_num_draft_tokens", "Speculation: draft tokens checked", registry=r).set_function(
-            lambda: eng.num_draft_tokens)
+            lambda: stats().draft_tokens)
         Gauge("loom_spec_decode_num_accepted_tokens", "Speculation: draft tokens accepted",
-              registry=r).set_function(lambda: eng.num_accepted_tokens)
+              registry=r).set_function(lambda: stats().accepted_tokens)
         self.prompt_tokens = Counter("loom_prompt_tokens", "Prompt tokens computed (prefill, incl. recompute)",
                                      registry=r)
         self.generation_tokens = Counter("loom_generation_tokens", "Tokens generated", registry=r)
