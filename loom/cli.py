@@ -70,23 +70,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loom.server.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("loom.server")
     # The engine thread builds the model: every parallel region then runs on that one thread (async_engine.py).
-    async_engine = AsyncEngine(lambda: LLMEngine(engine_config(args)), max_waiting=args.max_waiting,
-                               request_timeout=args.request_timeout)
-    engine = async_engine.engine
+    client = AsyncEngine(lambda: LLMEngine(engine_config(args)), max_waiting=args.max_waiting,
+                         request_timeout=args.request_timeout)
     why = f" ({auto_dtype()[1]})" if args.dtype == "auto" else ""
-    logging.getLogger("loom.server").info("engine: %s%s", engine.describe(), why)
+    log.info("engine: %s%s", client.engine.describe(), why)
+    model_name = client.engine.loaded.name
     if args.chat_template is not None:
-        engine.tokenizer.chat_template = args.chat_template  # before any request has compiled the model's
-    name = args.served_model_name or engine.loaded.name
+        client.tokenizer.chat_template = args.chat_template  # before any request has compiled the model's
+    name = args.served_model_name or model_name
     try:
         loopback = ipaddress.ip_address(args.host).is_loopback
     except ValueError:
         loopback = args.host == "localhost"
     if not loopback and not args.api_key:
-        logging.getLogger("loom.server").warning(
-            "binding %s without --api-key: anyone who can reach this port can use the model", args.host)
-    app = create_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        log.warning("binding %s without --api-key: anyone who can reach this port can use the model", args.host)
+    app = create_app(client, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                      open_metrics=args.open_metrics, trust_request_chat_template=args.trust_request_chat_template,
                      enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the handler it found: make that a no-op so
@@ -152,26 +152,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: bundled SmolLM2 on 127.0.0.1:8000)")
     s.add_argument("model", nargs="?", default=None, help="a .gguf file or HF model directory")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (beyond loopback, set --api-key)")
+    s.add_argument("--port", type=int, default=8000, help="port to bind")
     add_engine_args(s, kv_cache_gib=1.0)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     s.add_argument("--open-metrics", action="store_true", help="serve /metrics without the API key")
     s.add_argument("--max-waiting", type=int, default=None, help="refuse with 503 + Retry-After beyond this queue")
-    s.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get a 413")
     s.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds a request may take from arrival; past it, it is aborted with a 504 error")
-    s.add_argument("--served-model-name", default=None)
+                   help="seconds a request may take from arrival; past it, a 504")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (default: the file's name)")
     s.add_argument("--chat-template", type=_chat_template, default=None, metavar="FILE_OR_TEMPLATE",
                    help="a jinja chat template (a file, or the template itself) in place of the model's")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="let chat and tokenize requests bring their own chat_template (templates are code)")
     s.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
-                   help="serve GET /tokenizer_info (vLLM's: special tokens, chat template; lm-eval's remote tokenizer)")
-    s.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds to drain on SIGTERM")
+                   help="serve GET /tokenizer_info (vLLM's; lm-eval's remote tokenizer reads it)")
+    s.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish on SIGTERM")
     s.add_argument("--keep-alive-timeout", type=float, default=KEEP_ALIVE_SECONDS,
-                   help="seconds an idle HTTP keep-alive connection stays open; keep it above clients' idle expiry "
-                        "(httpx: 5 s)")
+                   help="seconds an idle keep-alive connection stays open (above httpx's 5 s, so a client never "
+                        "sends on a closing one)")
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -248,6 +250,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(sv, kv_cache_gib=1.0)
     sv.set_defaults(func=cmd_bench_serve)
     return parser
+
+
+def flag_table(command: str) -> str:
+    """A Markdown table of `loom COMMAND`'s options from the parser itself (the README's, between its markers)."""
+    parser = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    rows = ["| flag | default | meaning |", "| --- | --- | --- |"]
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            default = "off"
+        elif isinstance(action, argparse._StoreFalseAction):
+            default = "on"
+        else:
+            default = "–" if action.default is None else f"`{action.default}`"
+        rows.append(f"| `{action.option_strings[0]}` | {default} | {action.help} |")
+    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:

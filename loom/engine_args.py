@@ -25,40 +25,36 @@ def add_engine_args(p: argparse.ArgumentParser, kv_cache_gib: float, one_setting
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                        help="auto: bfloat16 where the CPU has AMX-BF16 or AVX512-BF16, else float32")
         p.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
-                       help="gguf: run the GGUF file's Q4_0 / Q4_1 / Q8_0 weights in their blocks (C++ kernels, "
-                            "CPU; AMX for bfloat16 where the CPU has it; the outputs of none); auto: so where a "
-                            "kernel for them builds; none: dequantize every weight to --dtype")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+                       help="gguf: keep the file's Q4_0 / Q4_1 / Q8_0 weights in their blocks; none: dequantize "
+                            "every weight to --dtype; auto: gguf where its kernel builds")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running set at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="tokens a step computes at most (prompt chunks and decodes)")
     p.add_argument("--long-prefill-chunk-tokens", type=int, default=32,
-                   help="while requests decode, prompts longer than a step's budget advance by about "
-                        "max(this, decoding requests) tokens per step, fewer deep into a long context; 0: no pacing")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=float, default=kv_cache_gib,
-                   help=f"GiB for the KV cache (default {kv_cache_gib:g})")
+                   help="while requests decode, a long prompt advances about max(this, decoding requests) tokens a "
+                        "step; 0: no pacing")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="refuse prompt + max_tokens beyond this (default: the model's context)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV cache size in blocks of 16 tokens (instead of --kv-cache-memory)")
+    p.add_argument("--kv-cache-memory", type=float, default=kv_cache_gib, help="GiB for the KV cache")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="int8: K/V as int8 codes with a scale per token and KV head, about half the bytes of "
-                        "bfloat16 (more tokens in the cache, faster decode at long contexts; outputs differ a little "
-                        "from auto's); auto: the model's dtype")
+                   help="int8: K/V as int8 with a scale per token and head, about twice the tokens per GiB; auto: "
+                        "the model's dtype")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="recompute shared prompt prefixes instead of reusing their cached KV blocks")
-    p.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
+    p.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+                   help="paged: Loom's C++ kernel; sdpa: torch; reference: the obvious code; auto: paged where it "
+                        "builds")
     p.add_argument("--matmul-backend", default="auto", choices=list(MATMUL_BACKENDS),
-                   help="amx: Loom's C++ kernel on AMX tiles (bfloat16, CPUs with AMX-BF16); packed: Loom's C++ "
-                        "kernel on weights packed at load (CPU); torch: F.linear; auto: amx for bfloat16 where the "
-                        "CPU has it, else packed")
+                   help="amx: bfloat16 on AMX tiles; packed: Loom's C++ kernel; torch: F.linear; auto: amx where "
+                        "the CPU has it, else packed")
     p.add_argument("--layer-ops", default="auto", choices=list(LAYER_OPS),
-                   help="fused: Loom's C++ kernel for a Llama layer's norm, RoPE and SwiGLU (CPU); torch: torch ops")
+                   help="fused: Loom's C++ kernel for norms, RoPE and SwiGLU; torch: torch ops; auto: fused where "
+                        "it builds")
     p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
-                   help='vLLM\'s n-gram speculation, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\': draft tokens looked up in the context, '
-                        'checked in one step (continuous policy); "num_speculative_tokens_per_batch_size": '
-                        '[[start, end, k], ...] caps the drafts at k while start..end requests run; '
-                        '"num_speculative_tokens_schedule": "heuristic" or "heuristic_transient" moves each '
-                        'request\'s limit by its checks (transformers\' rule: +2 when all drafts held, -1 otherwise), '
-                        'a new request starting where the latest check left off or at 2')
-    p.add_argument("--threads", type=int, default=None)
+                   help='vLLM\'s n-gram speculation, e.g. \'{"num_speculative_tokens": 3}\' (docs/serving.md)')
+    p.add_argument("--threads", type=int, default=None, help="threads the kernels use (default: every core)")
 
 
 def speculative_config(text: str) -> SpeculativeConfig:

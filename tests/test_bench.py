@@ -328,17 +328,21 @@ def test_a_run_on_gguf_blocks_is_also_held_to_the_dense_peak(smollm2, dtype):
 
 
 @pytest.mark.slow
-def test_bench_serve_against_offline_runs_one_workload_both_ways(tiny_llama_dir, capsys):
+def test_bench_serve_against_offline_runs_one_workload_both_ways(tiny_llama_dir, capsys, tmp_path):
     from loom.cli import main
 
     assert main(["bench", "serve", "--against-offline", "--serve-model", str(tiny_llama_dir), "--dtype", "float32",
                  "--num-requests", "6", "--single-stream-requests", "2", "--concurrency", "1,4",
-                 "--prompt-len", "5,20", "--output-len", "4,8", "--kv-cache-memory", "0.05"]) == 0
+                 "--prompt-len", "5,20", "--output-len", "4,8", "--kv-cache-memory", "0.05",
+                 "--plot", str(tmp_path)]) == 0
+    assert (tmp_path / "serve_throughput.png").stat().st_size > 0 and (tmp_path / "serve_latency.png").exists()
     single, concurrent = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert (single["concurrency"], single["requests"], concurrent["concurrency"], concurrent["requests"]) == (1, 2, 4, 6)
     for row in (single, concurrent):
         assert row["online"]["completed"] == row["requests"] and row["online"]["failed"] == 0 and not row["errors"]
-        assert row["dtype"] == "float32" and row["client_cpu_s"] >= 0 and row["server_cpu_s"] > 0
+        assert row["dtype"] == "float32" and row["client_cpu_s"] >= 0 and row["server_engine_threads_cpu_s"] > 0
+        assert row["server_cpu_s"] == pytest.approx(row["server_engine_threads_cpu_s"]
+                                                    + row["server_other_threads_cpu_s"], abs=0.02)
         assert row["online"]["ttft_ms"]["p99"] > 0
     assert single["tpot_online_over_offline"] == pytest.approx(
         single["online"]["tpot_ms"]["median"] / single["offline"]["tpot_ms"]["median"], abs=1e-3)

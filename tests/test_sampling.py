@@ -9,6 +9,7 @@ import torch
 
 from loom import LLM, LLMEngine, SamplingParams
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
+from loom.engine.input import bad_words_token_ids
 from loom.engine.request import Request
 from loom.model.kernels import load_argmax
 from loom.model.sampler import Sampler, _filter, make_sampler
@@ -322,7 +323,7 @@ def test_bad_words_never_appear_as_their_tokens(smollm2):
     prompt = "The capital of France is"
     plain = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0))[0].token_ids
     for words in (["Paris"], ["The answer"]):
-        sequences = llm.engine._bad_words_token_ids(words)
+        sequences = bad_words_token_ids(smollm2.tokenizer, words)
         assert any(_contains(plain, seq) for seq in sequences), "the word must be in the plain output"
         assert max(map(len, sequences)) == (1 if words == ["Paris"] else 2)
         banned = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, bad_words=words))[0].token_ids

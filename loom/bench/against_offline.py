@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from loom.bench.serve_client import free_loopback_port, run_benchmark, wait_unti
 from loom.bench.stats import distribution, summarize
 from loom.bench.workloads import BenchRequest, mixed_workload
 from loom.config import SchedulerConfig
+from loom.engine.async_engine import ENGINE_THREAD_NAME
 from loom.engine.engine import LLMEngine
 from loom.engine_args import engine_config, engine_flags
 from loom.model.loader import load_model
@@ -67,9 +69,25 @@ def offline_concurrent(engine: LLMEngine, requests: list[BenchRequest], concurre
     return {"output_token_throughput": sum(len(o.token_ids) for o in outputs) / seconds, "seconds": seconds}
 
 
-def _process_cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def _cpu_seconds(stat: Path) -> float:
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _engine_and_other_cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds of the server's engine thread and its OpenMP workers (named ENGINE_THREAD_NAME), and of every
+    other thread (the event loop, the request-making workers, uvicorn), live threads only."""
+    engine = other = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            seconds, name = _cpu_seconds(task / "stat"), (task / "comm").read_text().strip()
+        except OSError:
+            continue
+        if name == ENGINE_THREAD_NAME:
+            engine += seconds
+        else:
+            other += seconds
+    return engine, other
 
 
 def _requests_at(requests: list[BenchRequest], concurrency: int, single_stream_requests: int) -> list[BenchRequest]:
@@ -96,7 +114,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     port = free_loopback_port()
     command = [sys.executable, "-m", "loom.cli", "serve", *([args.serve_model] if args.serve_model else []),
                "--port", str(port), *engine_flags(args)]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tempfile.TemporaryFile("w+")  # not a pipe: a server whose log fills an unread pipe stops
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
     base = f"http://127.0.0.1:{port}"
     rows = []
     try:
@@ -104,9 +123,11 @@ def run(args: argparse.Namespace) -> list[dict]:
         asyncio.run(run_benchmark(base, requests[:1], 1))  # the server's first request, untimed
         for level in levels:
             chosen = _requests_at(requests, level, args.single_stream_requests)
-            client_before, server_before = time.process_time(), _process_cpu_seconds(server.pid)
+            client_before, server_before = time.process_time(), _engine_and_other_cpu_seconds(server.pid)
             records, duration = asyncio.run(run_benchmark(base, chosen, level, seed=args.seed))
-            client_cpu, server_cpu = time.process_time() - client_before, _process_cpu_seconds(server.pid) - server_before
+            client_cpu = time.process_time() - client_before
+            engine_cpu, other_cpu = (after - before for after, before in
+                                     zip(_engine_and_other_cpu_seconds(server.pid), server_before))
             online = summarize(records, duration)
             if level == 1:
                 ratio = {"tpot_online_over_offline": online["tpot_ms"]["median"] / offline[level]["tpot_ms"]["median"]}
@@ -118,15 +139,20 @@ def run(args: argparse.Namespace) -> list[dict]:
                                                                  "output_token_throughput", "ttft_ms", "tpot_ms",
                                                                  "itl_ms")},
                          **{key: round(value, 3) for key, value in ratio.items()},
-                         "client_cpu_s": round(client_cpu, 2), "server_cpu_s": round(server_cpu, 2),
+                         "client_cpu_s": round(client_cpu, 2), "server_cpu_s": round(engine_cpu + other_cpu, 2),
+                         "server_engine_threads_cpu_s": round(engine_cpu, 2),
+                         "server_other_threads_cpu_s": round(other_cpu, 2),
                          "errors": sorted({r.error for r in records if r.error})[:3]})
         for row in rows:
             row["server_openmp_workers"] = parked_openmp_workers(server.pid)
     finally:
         server.terminate()
-        _, log = server.communicate(timeout=60)
+        server.wait(timeout=60)
+        log.seek(0)
+        tail = log.read()[-2000:]
+        log.close()
     if not rows:
-        raise RuntimeError(f"loom serve did not come up: {log[-2000:]}")
+        raise RuntimeError(f"loom serve did not come up: {tail}")
     return rows
 
 
@@ -139,8 +165,24 @@ def summary_line(row: dict) -> str:
     offline, online = row["offline"]["output_token_throughput"], row["online"]["output_token_throughput"]
     return (f"{row['concurrency']} clients: {offline:.1f} tok/s offline, {online:.1f} online "
             f"({row['throughput_online_over_offline']:.3f}x); TTFT p50/p99 {row['online']['ttft_ms']['median']:.0f}/"
-            f"{row['online']['ttft_ms']['p99']:.0f} ms; client CPU {row['client_cpu_s']:.1f} s, server CPU "
-            f"{row['server_cpu_s']:.1f} s of {row['online']['duration_s']:.1f} s")
+            f"{row['online']['ttft_ms']['p99']:.0f} ms; CPU s over {row['online']['duration_s']:.1f} s: client "
+            f"{row['client_cpu_s']:.1f}, server engine threads {row['server_engine_threads_cpu_s']:.1f}, other "
+            f"server threads {row['server_other_threads_cpu_s']:.1f}")
+
+
+def plot(rows: list[dict], directory: str) -> None:
+    """Throughput offline and online, and the online latencies, against the number of clients."""
+    from loom.bench.plots import throughput_vs
+
+    xs = [row["concurrency"] for row in rows]
+    throughput_vs(xs, {"offline (LLMEngine)": [row["offline"]["output_token_throughput"] for row in rows],
+                       "online (loom serve)": [row["online"]["output_token_throughput"] for row in rows]},
+                  "concurrent clients", "output tokens/s", f"{directory}/serve_throughput.png",
+                  f"throughput against load, {rows[0]['dtype']}")
+    latency = {f"{name} {stat}": [row["online"][f"{name}_ms"][stat] or 0.0 for row in rows]
+               for name in ("ttft", "tpot") for stat in ("median", "p99")}
+    throughput_vs(xs, latency, "concurrent clients", "ms", f"{directory}/serve_latency.png",
+                  "TTFT and time per output token against load (loom serve)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -149,4 +191,6 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(row))
     for row in rows:
         Console(stderr=True).print(summary_line(row))
+    if args.plot:
+        plot(rows, args.plot)
     return 0 if all(not row["errors"] for row in rows) else 1

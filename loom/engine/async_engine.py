@@ -8,13 +8,13 @@ there is none. An abort takes effect before the next step; a step's outputs reac
 Given a factory instead of a built engine, the engine thread builds the model and warms it up itself, so that every
 OpenMP parallel region of the process starts from that one thread. A second thread that runs parallel regions gets
 a second OpenMP team, and with more OpenMP threads than cores libgomp stops spinning at barriers and sleeps: a
-decode step ran about twice as slow on the engine thread when the main thread had built the model
-(docs/benchmarks.md, "Server against offline").
+decode step ran about twice as slow on the engine thread when the main thread had built the model.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import queue
 import threading
@@ -30,6 +30,16 @@ from loom.engine.request import Request
 from loom.sampling import SamplingParams
 
 log = logging.getLogger("loom.engine")
+
+ENGINE_THREAD_NAME = "loom-engine"
+
+
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread `name` in the OS (top, /proc/PID/task/TID/comm), where Linux allows it."""
+    try:
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 @dataclass
@@ -99,7 +109,7 @@ class AsyncEngine:
         self.error: BaseException | None = None
         built = threading.Event()
         failure: list[BaseException] = []
-        self._thread = threading.Thread(target=self._run, args=(engine, built, failure), name="loom-engine",
+        self._thread = threading.Thread(target=self._run, args=(engine, built, failure), name=ENGINE_THREAD_NAME,
                                         daemon=True)
         self._thread.start()
         built.wait()
@@ -149,8 +159,7 @@ class AsyncEngine:
 
         The request is made on a worker thread: tokenizing a long prompt and compiling its grammar would hold the
         event loop, and with it every other request's stream (a 3.5K-token prompt 5 ms, a 60-field JSON schema 8 ms,
-        the first grammar 0.24 s): a burst of 32 such chat requests stalled a running stream for 1.4-1.8 s, and
-        now for 0.24-0.28 s."""
+        the first grammar 0.24 s). Nothing made there runs a torch parallel region (tests/test_openmp_teams.py)."""
         self._check_admission()
         request = await asyncio.to_thread(self.engine.create_request, prompt, params, request_id, priority=priority)
         self._check_admission()  # again: others may have been queued, or the engine died, meanwhile
@@ -242,6 +251,7 @@ class AsyncEngine:
 
     def _run(self, engine: LLMEngine | Callable[[], LLMEngine], built: threading.Event,
              failure: list[BaseException]) -> None:
+        _name_os_thread(ENGINE_THREAD_NAME)  # before any kernel runs: its OpenMP workers inherit the name
         try:
             self.engine = engine if isinstance(engine, LLMEngine) else engine()
             if not isinstance(engine, LLMEngine):

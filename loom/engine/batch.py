@@ -18,10 +18,8 @@ def build_batch_metadata(
     sched = out.scheduled
     # A one-token prompt chunk (the last token of a prompt whose blocks came from the prefix cache, or of a chunked
     # prompt) is prefill: the prefill kernel gives it the bits it gets inside a longer chunk. A request's last token
-    # and its draft tokens go as one chunk, whose rows share each read of the request's K/V. A 64-request bfloat16
-    # step, one draft each, medians of 7 (ms): 330 tokens of context, 300 of them shared, 59.4 / 62.8 as two decode
-    # rows a request (each row reads the cache) against 55.0 / 54.6 as a chunk; 330 tokens of their own, 69.3 / 76.3
-    # against 71.5 / 69.2.
+    # and its draft tokens go as one chunk, whose rows share each read of the request's K/V (as decode rows, each
+    # row would read the cache again).
     decode_idx = [i for i, s in enumerate(sched) if s.is_decode]
     prefill_idx = [i for i, s in enumerate(sched) if not s.is_decode]
     n_pad = out.num_pad_tokens

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import random
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -13,6 +11,7 @@ import torch
 
 from loom.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from loom.engine.host_memory import keep_large_allocations
+from loom.engine.input import RequestLimits, make_request
 from loom.engine.kv_cache import BlockPool, KVCacheSpec
 from loom.engine.ngram_proposer import NgramProposer
 from loom.engine.outputs import RequestMetrics, RequestOutput
@@ -79,6 +78,8 @@ class LLMEngine:
                                   make_sampler())
         self.scheduler = self._make_scheduler(self.config.scheduler)
         self.grammars = GrammarCompiler(self.tokenizer, mcfg.vocab_size)
+        self.request_limits = RequestLimits(mcfg.vocab_size, self.max_model_len, cache.block_size,
+                                            self.pool.num_usable_blocks)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, _Stream] = {}
         self.step_observers: list[StepObserver] = []  # called after every step (metrics, traces, demos)
@@ -152,70 +153,9 @@ class LLMEngine:
         priority: int = 0,
     ) -> Request:
         """Tokenize and validate without touching engine state, so another thread may do it while steps run."""
-        params = params or SamplingParams()
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        vocab = self.model_config.vocab_size
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            text: str | None = prompt
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, list(prompt)
-            bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
-        if params.truncate_prompt_tokens is not None:  # vLLM's: the prompt's last tokens (left truncation)
-            keep = (max(1, self.max_model_len - params.max_tokens) if params.truncate_prompt_tokens == -1
-                    else params.truncate_prompt_tokens)
-            token_ids = token_ids[-keep:]
-        named_ids = {"logit_bias token ids": params.logit_bias, "allowed_token_ids": params.allowed_token_ids or []}
-        for name, ids in named_ids.items():
-            outside = [t for t in ids if t >= vocab]
-            if outside:
-                raise ValueError(f"{name} must be in [0, {vocab}), got {outside[:5]}")
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
-                f"model's context length of {self.max_model_len} tokens"
-            )
-        blocks = -(-total // self.config.cache.block_size)
-        if blocks > self.pool.num_usable_blocks:
-            raise ValueError(
-                f"prompt + max_tokens needs {blocks} KV blocks but the cache holds only {self.pool.num_usable_blocks}"
-            )
-        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
-        generator = torch.Generator()
-        generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
-        return Request(
-            request_id=request_id if request_id is not None else f"req-{uuid.uuid4().hex}",
-            prompt_token_ids=token_ids,
-            params=params,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-            prompt=text,
-            priority=priority,
-            generator=generator,
-            grammar=grammar,
-            bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
-            prompt_logprobs=[] if params.prompt_logprobs is None else [None],
-            stop_token_ids_held_back=sorted(
-                set(params.stop_token_ids) | set(() if params.ignore_eos else self.tokenizer.eos_token_ids)
-            ) if params.min_tokens else [],
-        )
-
-    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
-        """Each bad word as the tokens it is written with at the start of a text and after a space (vLLM's way)."""
-        sequences: list[list[int]] = []
-        for word in words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-                if ids and ids not in sequences:
-                    sequences.append(ids)
-        return sequences
+        return make_request(prompt, params, tokenizer=self.tokenizer, limits=self.request_limits,
+                            grammars=self.grammars, request_id=request_id, arrival_time=arrival_time,
+                            priority=priority)
 
     def submit(self, request: Request) -> None:
         """Queue a request made by `create_request`."""

@@ -27,6 +27,8 @@ class EngineMetrics:
         Gauge("loom_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", registry=r).set_function(
             lambda: stats().kv_usage)
         Gauge("loom_kv_blocks_total", "Usable KV blocks", registry=r).set(stats().kv_blocks_total)
+        Gauge("loom_kv_blocks_used", "KV blocks held by requests", registry=r).set_function(
+            lambda: stats().kv_blocks_used)
         Gauge("loom_prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission",
               registry=r).set_function(lambda: stats().prefix_cache_queries)
         Gauge("loom_prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache",

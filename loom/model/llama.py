@@ -21,20 +21,12 @@ from loom.model.linear import Linear, MatmulBackend, SiluMulAfter, SiluMulLinear
 from loom.model.llama_layer import LlamaLayer
 from loom.model.quantized import QuantizedWeight, concat_rows
 
-# A step's MLP runs in chunks of this many rows a thread, so that a chunk's gate/up product (256 x 2I: 1.5 MiB for
-# SmolLM2) is still in L2 when SiLU x up reads it (where SiLU x up is not the AMX matmul's epilogue) and its output
-# when the down projection does. With Loom's matmul kernels a row's result does not depend on the rows beside it, so
-# chunks change no bit (torch's F.linear may pick another kernel for 256 rows than for 2048, as it may for any
-# batch). A 2048-token prefill's forward, bfloat16 on AMX, alternating in one process, medians of 7: 541.5-589.6 ->
-# 521.7-555.7 ms (SiLU x up 65-75 -> 46-47 ms, gate/up 117-133 -> 108-110); 512 and 1024 tokens the same within 1%;
-# chunks of 128 rows slower. Per thread since the AMX matmul splits rows, not panels, among threads that each get a
-# whole 256-row pass (csrc/amx_linear.cpp): each thread then keeps its own rows' product in its own L2 for down.
+# A step's MLP runs in chunks of this many rows a thread, so a chunk's gate/up product (256 x 2I: 1.5 MiB for
+# SmolLM2) is still in L2 when SiLU x up and then down read it. Chunks change no bit: Loom's matmuls give a row the
+# same result in any batch. 128 rows was slower, no chunking about 4% slower on a 2048-token prefill (docs/kernels.md).
 MLP_CHUNK_ROWS_PER_THREAD = 256
-# Where SiLU x up is the AMX matmul's epilogue, chunks of 1024 rows a thread: there each thread's rows meet the
-# weights a range of panels at a time, dequantized once for all of them (rows_against_panel_ranges in
-# csrc/amx_linear.cpp), so longer chunks dequantize and read the weights fewer times. A 2048-token prefill's forward,
-# alternating in one process, medians of 6 rounds: 256 rows 401.5 ms, 512 388.7, 1024 376.1 (again: 512 391.0, 1024
-# 378.7, 2048 377.2).
+# Where SiLU x up is the AMX matmul's epilogue, longer chunks: each thread dequantizes a range of panels once for all
+# its rows, so longer chunks dequantize and read the weights fewer times (1024 rows: 376 ms against 401 at 256).
 AMX_MLP_CHUNK_ROWS_PER_THREAD = 1024
 
 

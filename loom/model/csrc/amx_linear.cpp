@@ -1,28 +1,21 @@
 // bfloat16 linear layers y = x W^T on Intel AMX (Sapphire Rapids and later): W packed once, at model load, into
 // 16 x 32 tiles, each multiply-accumulated by TDPBF16PS into 16 x 16 float32 sums held in tile registers.
 //
-// Why our own and not torch's bfloat16 matmul (oneDNN, also on AMX here, about as fast): oneDNN picks its blocking
-// by the number of rows, and on the development machine a row's result changed with the rows batched beside it
-// (SmolLM2's shapes at 7, 16, 33, 64, 100, 256 rows against 600). Here every row walks k in the same 32-wide steps
-// from zero, whatever the batch: y[i] depends on x[i] and W alone, so packing changes no result.
+// Why our own and not torch's bfloat16 matmul (oneDNN, also on AMX, about as fast): oneDNN picks its blocking by the
+// number of rows, so a row's result changed with the rows batched beside it. Here every row walks k in the same
+// 32-wide steps from zero, whatever the batch: y[i] depends on x[i] and W alone, so packing changes no result.
 //
 // Layout (loom/model/linear.py, pack_amx_tiles): panels of 16 output columns; within a panel, one 1 KiB tile per 32
 // k values, tile row r holding, for each column n, the pair W[n][32c + 2r], W[n][32c + 2r + 1] (AMX's "VNNI" order).
 //
 // SwiGLU's gate and up projections run as one product whose panels hold 8 columns of each (amx_silu_mul_linear):
 // each panel's sums become SiLU(gate) * up as they are stored, so the [rows, 2I] product is never written and read
-// back, and the layer makes one call less; SiLU comes from a table (silu.h). At 64 x 576 -> 2 x 1536 (one run,
-// medians of 200): the product alone 122.7 us, then silu_mul 159.2, fused 129.6. A 2048-token prefill, alternating
-// with the product then silu_mul: 581-597 -> 534-564 ms.
+// back; SiLU comes from a table (silu.h).
 //
 // W may also come as GGUF Q4_1 / Q8_0 records (amx_quantized_linear): each slice of a panel group's records is
 // dequantized into tiles in L1 (amx_dequantize.h) just before the row blocks use it, with the bits of the bfloat16
-// weights. A decode step then reads 5 or 8.5 bits a weight instead of 16, but spends ~70 cycles a tile dequantizing,
-// which this core does not overlap with the tile products. SmolLM2's 30 layers' matmuls and head from memory (one
-// process, alternating, medians of 6, ms): 1 row 12.6 -> 9.4, 64 rows 17.5 -> 15.9, 256 rows 44.0 -> 42.4, 2048
-// rows 340 -> 357 (each 256-row pass dequantizes the weights again). With each pair of steps' codes interleaved at
-// load (amx_dequantize.h), three alternating pairs of runs: 1 row 8.6-9.0 -> 8.0-8.4 ms, 64 rows 15.6-16.0 ->
-// 15.0-15.7.
+// weights. A decode step then reads 5 or 8.5 bits a weight instead of 16, at ~70 cycles a tile of dequantizing that
+// this core does not overlap with the tile products: faster up to a few hundred rows (docs/kernels.md).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -61,7 +54,7 @@ constexpr int64_t kSubBlocks = 4;
 constexpr int64_t kTripleMaxPanels = 256;  // dense weights up to which panels go three at a time (4096 outputs; below)
 constexpr int64_t kSliceMaxChunks = 18;  // k chunks of an x row block pair that stay in L1 (36 KiB)
 // Weight tiles that wait in L2 for all of a thread's rows (576 KiB). 1152 where a thread's x passes 1 MiB (qkv and o
-// in one range) gained in o and down but lost in gate/up (thirty-third session, docs/benchmarks.md).
+// in one range) gained in o and down but lost in gate/up (docs/kernels.md).
 constexpr int64_t kRangeTiles = 576;
 constexpr int64_t kSubPassTiles = 3 * kBlockRows / kRows;  // sums tiles of a sub-pass: a pass's 16 groups of 3
 constexpr int64_t kSplitBlocks = 8;  // row blocks a thread from which threads split rows, not panels (below)
@@ -133,11 +126,7 @@ void tile_group(const RowBlock* a, const bf16* panel, int64_t panel_elems, int64
     // Software-pipelined: chunk c + 1's operands are loaded as soon as chunk c's last product that reads their tile
     // is issued (x0 after the products into 0 and 1, panel 0 after 2, x1 and panel 1 after 3), rather than all four
     // before chunk c + 1's products, so the loads overlap the products still running. The same products in the same
-    // order: the same bits. A /tmp loop of one group over 18 chunks (x from L1, panels by TILELOADDT1): 6.3-6.6 ->
-    // 5.4-5.8 ns a product (4.7 with no loads at all). 30 layers at 2048 rows, alternating processes, medians of 9,
-    // ms: gate/up with SiLU 87.6 / 85.9 / 94.9 -> 72.2 / 74.4 / 80.9, down 45.3 / 45.0 / 47.9 -> 40.6 / 40.7 / 43.5,
-    // qkv 27.2 / 25.6 / 28.4 -> 23.2 / 22.1 / 23.3. Within a 2048-token prefill's forward (two alternating runs,
-    // medians of 7) less: gate/up 88.9 / 84.6 -> 83.8 / 78.7, the whole prefill 307 / 300 -> 302 / 291 ms.
+    // order: the same bits (docs/kernels.md).
     const auto load_x = [&](int i, int64_t c) {
       if (i == 0) _tile_loadd(4, a[0].rows + c * kChunk, a[0].stride_bytes);
       else _tile_loadd(5, a[1].rows + c * kChunk, a[1].stride_bytes);
@@ -224,9 +213,7 @@ void store_tile(const float* sums, const float* bias, int64_t rows, int64_t cols
 
 // Two neighbouring whole panels' sums (+ bias) -> 32 bfloat16 columns of y, written as one 64-byte store a row
 // rather than two halves of a cache line. Rounded by VCVTNE2PS2BF16: nearest even, as torch rounds, except that it
-// takes a float32 denormal (a sum under 2^-126 in magnitude) as zero. Against round_to_bf16's integer steps (and
-// in store_gated_tile), a 2048-token prefill's forward, alternating processes, medians of 9: 366.5 / 377.9 / 379.2
-// -> 363.8 / 362.8 / 363.8 ms.
+// takes a float32 denormal (a sum under 2^-126 in magnitude) as zero.
 void store_tile_pair(const float* sums, const float* bias, int64_t rows, bf16* y, int64_t out_features) {
   const __m512 bias0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   const __m512 bias1 = bias ? _mm512_loadu_ps(bias + kPanel) : _mm512_setzero_ps();
@@ -241,10 +228,7 @@ void store_tile_pair(const float* sums, const float* bias, int64_t rows, bf16* y
 // bfloat16 columns of y (row stride width), with the bits of gate and up rounded to bfloat16 (as store_tile_pair
 // rounds) and then silu_mul: two rows at a time. Both rows are rounded by one VCVTNE2PS2BF16; one word permute (zeros
 // in the other halves) makes the gates' table indices and another the ups as float32, for silu.h's silu_mul16 (its
-// product rounded by VCVTNEPS2BF16, a float32 denormal one by the integer steps). Against two VCVTNEPS2BF16, lane
-// permutes and widenings and the integer rounding (thirty-third session), 30 layers' gate/up, alternating processes,
-// medians of 25: 1024 rows 54.0-55.7 -> 51.8-53.9 ms (the epilogue's share over the product alone 7.5 -> 6.1 ms,
-// medians of five rounds); 64 rows 6.14-6.67 -> 5.27-6.07 ms.
+// product rounded by VCVTNEPS2BF16, a float32 denormal one by the integer steps).
 void store_gated_tile(const float* sums, const float* bias, int64_t rows, const uint16_t* silu_table, bf16* y,
                       int64_t width) {
   const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
@@ -324,8 +308,7 @@ struct RecordTiles {
   int64_t chunks;
   static constexpr int64_t kBufferElems = 2 * kSliceChunks * kTileElems;  // a slice of two panels: 12 KiB
   // Each record's lines are asked for this far ahead, to L2: the dequantizing keeps the core busy between reads, and
-  // the hardware prefetchers alone then fell behind. 30 layers' matmuls and the head, medians of 7, ms: 1 row
-  // 11.2-11.6 without, 9.3-9.8 at 2.5 KiB, 9.1-9.3 at 10 KiB; 64 rows 18.3 / 16.2-16.9 / 15.7-16.2.
+  // the hardware prefetchers alone fell behind (docs/kernels.md).
   static constexpr int64_t kPrefetchBytes = 10240;
   const bf16* slice(int64_t p, int pb, int64_t c0, int64_t c1, bf16* buffer, int64_t& panel_elems) const {
     panel_elems = (c1 - c0) * kTileElems;
@@ -348,23 +331,10 @@ struct RecordTiles {
 // The weights come from L2 by TILELOADDT1, a hint not to keep them in L1, so that they do not push x out. The
 // groups' sums are rounded into y one group late, as in amx_linear_impl. Each row walks k from zero in 32-wide
 // steps (sums stored and reloaded exactly between slices): the bits of every other path.
-// Against each thread's 256-row passes over every panel group (1 x 3 groups, the weights dequantized anew each
-// pass, x from L2), one process flipping the two by an environment switch, 2 threads, medians of 4 rounds,
-// GFLOP/s at 1024 / 2048 rows: qkv 2158 / 1868 -> 2544 / 2397, o 2154 / 1653 -> 2447 / 1930, gate/up with SiLU
-// 1925 / 1735 -> 2110 / 2149, down 1908 / 2173 -> 2313 / 2358. A 2048-token prefill's forward, ten alternating
-// rounds: 428.8 -> 388.8 ms (every round faster). The mixed workload (continuous, 200 requests, three alternating
-// pairs) did not move: 1150.6 / 1126.4 / 1108.4 against 1125.6 / 1110.8 / 1138.8 tok/s, as few of its steps have
-// 512 rows. For fewer rows (panels split among threads) a 64 x 200 decode step's forward went 32.6 -> 33.6 ms: each
-// dequantized tile then serves 4 row blocks, and is better used straight from L1, so those keep the passes below.
-// Rows are split from kSplitBlocks row blocks a thread (8: 256 rows on two threads). Against 16 (thirty-first
-// session): one prompt's forward, ten-odd alternating rounds, 256 tokens 44.4 -> 41.6 ms, 384 tokens 66.8 -> 57.4
-// (128 tokens, 4 blocks a thread, 24.4 -> 26.3); 30 layers' matmuls alone (forty-seventh session) at 320 / 384 / 448
-// rows 39.3 / 46.0 / 50.6 -> 31.3 / 38.1 / 39.7 ms. The mixed workload, alternating processes, tok/s: 1139.8 /
-// 1165.9 / 1144.6 -> 1104.6 / 1142.0 / 1123.7 then, 1253.7 / 1220.5 / 1232.8 -> 1249.1 / 1219.3 / 1286.3 now; with
-// prompt lookup's 5 drafts, whose checks are steps of 128-384 rows, 2471.6 / 2411.4 / 2457.1 -> 2528.7 / 2658.8 /
-// 2757.3.
-// The range's tiles and the groups' sums live in per-thread buffers kept between calls: allocated per call (mapped
-// fresh, 0.6 MB a thread), their page faults took half the gain (a prefill 423 -> 405 ms instead).
+// For fewer rows than kSplitBlocks row blocks a thread, panels are split instead: each dequantized tile then serves
+// few row blocks and is better used straight from L1 (docs/kernels.md).
+// The range's tiles and the groups' sums live in per-thread buffers kept between calls: allocated per call, their
+// page faults took half the gain.
 template <typename Weights, typename RowBlockOf>
 void rows_against_panel_ranges(const Weights& weights, const RowBlockOf& row_block, int64_t first_block,
                                int64_t end_block, int64_t num_panels, const float* bias, int64_t rows, bf16* y,
@@ -420,9 +390,7 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const Wei
   const int64_t num_blocks = (rows + kRows - 1) / kRows;
   // x as AMX reads it: full row blocks in place when each row is whole chunks, else from a zero-padded copy. x of
   // fewer than 16 rows (a decode step's few requests) is one block whose x and sums tiles are configured with just
-  // its rows, so it too is read in place: no copy, and loads, products and stores of those rows alone (a call of
-  // GGUF blocks at one row, weights in L2, SmolLM2's shapes: qkv 33 -> 27-29 us, o 23 -> 17-18, gate/up 83 ->
-  // 74-79, down 55 -> 39-43).
+  // its rows, so it too is read in place: no copy, and loads, products and stores of those rows alone.
   loom::amx::TileBuffer<bf16> padded;
   const bool in_place = in_features == padded_k;
   const int64_t x_tile_rows = num_blocks == 1 ? rows : kRows;
@@ -439,18 +407,9 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const Wei
   };
   // Where x has two row blocks or more (so every tile has 16 rows), a group is one row block: GGUF records in 1 x 2
   // groups, their operands double-buffered (tile_group), and a slice of the panels' dequantized weights serves the
-  // pass's row blocks from L1. Against the 1 x 3 groups they had before (2 x 2 where the panels do not divide by 3 or
-  // pass 256), alternating processes, medians of 15 passes, 30 layers' matmuls and the LM head, ms: 24 rows 9.11 /
-  // 8.45 -> 7.41 / 7.11 and head 1.67 / 1.49 -> 1.46 / 1.39; 64 rows 11.35 / 11.91 -> 11.41 / 10.14 and 2.64 / 3.08
-  // -> 2.64 / 2.31; 128 rows 19.85 / 20.57 -> 18.89 / 17.78 and 4.92 / 5.24 -> 4.62 / 4.43; 256 rows 32.78 / 32.22 ->
-  // 30.36 / 30.15 and 12.15 / 11.87 -> 9.61 / 9.53. Dense bfloat16 tiles gained nothing from them (64 rows 13.76 /
-  // 13.30 -> 13.81 / 13.84, 24 rows 11.00 / 11.63 -> 11.61 / 11.86) and keep panels three at a time, one row block a
-  // group, where the panels divide so: each x tile loaded from L2 serves three panels instead of two (against 2 x 2
-  // groups, 30 layers' matmuls at 48 rows 11.6-11.7 -> 10.6-10.8 ms, 64 rows 12.7-13.0 -> 11.8-12.0, 192 rows 25.9 ->
-  // 23.7-24.1), but not for weights as wide as an LM head's, which went slower with three weight streams a thread.
-  // Tried and not kept (thirty-first session), for panels split among threads: 2 x 2 groups over all of k with x
-  // read by TILELOADDT1 (alone at 512 rows: qkv 2228 -> 2459 GFLOP/s, o 2158 -> 2437; in the forward a 64 x 200
-  // decode step 32.9 -> 34.3 ms, slower).
+  // pass's row blocks from L1. Dense bfloat16 tiles keep panels three at a time, one row block a group, where the panels
+  // divide so: each x tile loaded from L2 then serves three panels instead of two; not for weights as wide as an LM
+  // head's, which went slower with three weight streams a thread (docs/kernels.md).
   const bool singles = kDequantizes && num_blocks >= 2;
   const bool triples = !kDequantizes && num_blocks >= 2 && num_panels % 3 == 0 && num_panels <= kTripleMaxPanels;
   const int64_t group_panels = triples ? 3 : 2, group_blocks = triples || singles ? 1 : 2;
@@ -462,10 +421,7 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const Wei
   // Where each thread would get at least kSplitBlocks row blocks (a prefill's, a big MLP chunk's, a check of drafts),
   // they split the rows instead, in even runs of row blocks (rows_against_panel_ranges): a thread's rows of y are
   // then in its own L2 when its part of the next call reads them (the gate/up product for down; the norms split rows
-  // the same way), where with panels split half of every row came from the other core. A 2048-token bfloat16 prefill,
-  // alternating processes, medians of 7 (with 512-row MLP chunks, llama.py; each thread then still in passes over
-  // every panel group): 474 / 459 / 429 / 446 -> 406 / 418 / 421 / 430 ms (down 67-68 -> 55-58 ms, o 27-29 -> 23,
-  // qkv 45-47 -> 41-43).
+  // the same way), where with panels split half of every row came from the other core.
   const int64_t threads = at::get_num_threads();
   const int64_t num_groups = (num_panels + group_panels - 1) / group_panels;
   const bool rows_split = threads > 1 && num_blocks >= threads * kSplitBlocks;
@@ -479,8 +435,7 @@ void amx_linear_impl(const bf16* x, int64_t rows, int64_t in_features, const Wei
     }
     constexpr int64_t kTileSums = kRows * kPanel;
     // Each group's sums are rounded into y after the next group's tiles are computed, not straight after their
-    // tile stores (30 layers' matmuls at 64 rows: 12.0-12.5 -> 11.4-11.7 ms); so sums come in two sets, the
-    // sub-pass's and the one before it.
+    // tile stores, so the stores overlap the products; sums come in two sets, the sub-pass's and the one before it.
     alignas(64) float sums[2][kSubPassTiles * kTileSums];
     alignas(64) bf16 buffer[std::max<int64_t>(Weights::kBufferElems, 1)];
     std::optional<TileGroup> pending;

@@ -1,8 +1,6 @@
 // Greedy sampling's argmax over each row of a step's logits [S, V] (float32, or bfloat16 as a bfloat16 model's LM
-// head returns them), V = 49,152 for SmolLM2. torch's argmax took 3.8-4.4 ms for 64 float32 rows on the development
-// machine (a scalar compare-and-index loop), 1.5-2% of a 64-request decode step, while a row's maximum alone (amax)
-// took 0.16 ms: here a vector pass finds each row's maximum, then a second finds where it first occurs (0.55-1.22 ms
-// for the same 64 rows).
+// head returns them), V = 49,152 for SmolLM2. torch's argmax is a scalar compare-and-index loop, many times slower
+// than a row's maximum alone: here a vector pass finds each row's maximum, then a second finds where it first occurs.
 //
 // Same answer as torch.argmax: the first index of the maximum, or of the first NaN where a row has one (torch orders
 // NaN above every number). NaN is found from the bits: -ffast-math compiles float NaN tests away. bfloat16 logits give
@@ -86,9 +84,7 @@ int64_t row_argmax(const T* x, int64_t n) {
 // A bfloat16 row's argmax in one pass over its bits, 32 a vector: each value's bits become a 16-bit integer key that
 // orders as the values do (the magnitude, negated for a negative value, so -0 and +0 are both 0), NaN above all (every
 // NaN the same key, so the first wins). Each of the 32 lanes keeps its highest key and the first vector it came in;
-// the row's answer is the lowest index among the lanes that hold the highest. The widening path took two passes of
-// 8-float vectors: 1024 rows of SmolLM2's logits (101 MB, just written, as a check of drafts leaves them; medians of
-// 9) 9.44 -> 5.91 ms, 64 rows 0.37 -> 0.22 ms. Rows of at most 32 * 32767 values.
+// the row's answer is the lowest index among the lanes that hold the highest. Rows of at most 32 * 32767 values.
 inline int64_t row_argmax_bf16(const c10::BFloat16* row, int64_t n) {
   const int16_t* x = reinterpret_cast<const int16_t*>(row);
   const __m512i magnitude_bits = _mm512_set1_epi16(0x7fff), infinity = _mm512_set1_epi16(0x7f80);

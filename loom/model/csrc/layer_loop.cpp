@@ -4,8 +4,7 @@
 //
 // Why: between two kernels of a decode step, Python and torch's entry into the next call run with cold caches (a
 // layer streams ~2.2 MB of weights and its K/V through the 2 MiB L2), and each call costs microseconds that a warm
-// loop would not see: a no-op view of a 1 x 576 tensor took 0.7 us hot and 10 us after a 4 MB torch sum
-// (docs/benchmarks.md, fortieth session). A batch-1 decode step makes about ten such calls a layer.
+// loop would not see (docs/kernels.md). A batch-1 decode step makes about ten such calls a layer.
 //
 // The kernels stay in their own modules: each exports its functions' addresses (entry_points.h), which the loop is
 // given once, at construction and when the caches are bound, and calls as C++ functions. Any of Loom's matmuls may

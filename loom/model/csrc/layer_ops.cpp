@@ -36,16 +36,9 @@ inline int64_t grain(int64_t cols) { return std::max<int64_t>(1, 16384 / std::ma
 
 #if defined(__AVX512F__)
 // 16 bfloat16 lanes at a time where the CPU has AVX-512: the same operations, each rounded where the scalar code
-// rounds it (bfloat16.h's nearest even, on the bits), so the same bits but for a norm's float32 sum of squares, which
-// goes in 16 lanes (the scalar loop's order was the compiler's: 85 of 11.5 M outputs differ, in 18 of 20,000 rows of
-// width 576). Rows of a width that is not a multiple of 16 (heads not of 32) take the scalar code. Against it, on the
-// Xeon with AMX, alternating processes: one call, rows fresh from memory, medians of 200, us: norm 64 x 576 10.5-11.5
-// -> 9.8-10.4, 2048 x 576 278-321 -> 251-268; RoPE on 12 heads of 64, 64 rows 10.4-11.4 -> 7.0-7.5, 2048 rows
-// 293-316 -> 183-191. In a 2048-token bfloat16 prefill (medians of 5): norms 35-38 -> 27 ms, RoPE 16.5 -> 12.1-12.4,
-// the prefill 464 / 478 -> 432 / 434 ms. Rounding by VCVTNEPS2BF16 instead of the integer steps, and the norm's weight
-// widened once a call (thirty-second session; a float32 denormal now rounds to 0): a norm at 2048 x 576, warm,
-// alternating processes, medians of 21, 237-310 -> 182-196 us (fresh from memory 411-459 -> 369-431); in a
-// 2048-token prefill norms 22.2 -> 15.1 ms, RoPE 8.0 -> 6.7.
+// rounds it (VCVTNEPS2BF16: nearest even; a float32 denormal rounds to 0), so the same bits but for a norm's float32
+// sum of squares, which goes in 16 lanes (a few outputs in 10^5 differ by an ulp from the scalar loop's order). Rows
+// of a width that is not a multiple of 16 (heads not of 32) take the scalar code (docs/kernels.md).
 namespace wide {
 
 inline __m512 widen(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
@@ -189,9 +182,8 @@ void rotary_impl(T* qkv, int64_t row_stride, const T* cos, const T* sin, int64_t
 #define LOOM_WIDE_VECTORS
 #endif
 
-// One float32 row's SiLU(gate) * up (bfloat16 rows take silu.h's table). Its cost is its exponentials and divisions:
-// 16 lanes wide against 8, alternating builds, medians of 201 calls (measured on bfloat16, before the table), 256 x
-// 1536: 152-155 -> 116-117 us; 64 x 1536: 38 -> 29 us.
+// One float32 row's SiLU(gate) * up (bfloat16 rows take silu.h's table). Its cost is its exponentials and divisions,
+// so it goes 16 lanes wide.
 LOOM_WIDE_VECTORS void silu_mul_row(const float* gate, const float* up, float* out, int64_t width) {
   for (int64_t i = 0; i < width; ++i) out[i] = loom::silu_float(gate[i]) * up[i];
 }

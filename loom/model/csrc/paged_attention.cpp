@@ -51,9 +51,8 @@ inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1)
 constexpr int64_t kAhead = 2;  // blocks a RowWalker prefetches ahead
 
 // Asks for one cache line at the start of [p, p + bytes) and at each 4 KiB page boundary inside it: enough for the
-// hardware prefetchers to stream the rest, which they begin only after a page's first misses. Reading 1 GiB as
-// 6 KiB blocks (a 16-token block of SmolLM2's K) in random order on both threads: 22.1 GB/s without, 29.3 with one
-// line a block and page asked for a block ahead (in order: 30.8); asking for every line was slower.
+// hardware prefetchers to stream the rest, which they begin only after a page's first misses (asking for every line
+// was slower; docs/kernels.md).
 inline void start_streams(const void* p, int64_t bytes) {
   const char* begin = static_cast<const char*>(p);
   __builtin_prefetch(begin);
@@ -64,10 +63,9 @@ inline void start_streams(const void* p, int64_t bytes) {
 
 // Walks one sequence's K or V rows (each token's whole row, all KV heads) in token order, the order they lie in
 // within a block, which the hardware prefetchers follow. The next blocks lie anywhere in the cache, so while row j of
-// a block is read, row j of the block kAhead on is prefetched (2 blocks ahead: 64 x 512 tokens 1.52 -> 1.41 ms a
-// layer against 1 block ahead). R == C: rows are read in place (heads head_dim apart); R == float for a head size
-// of part vectors or an int8 cache: rows are copied, widened (int8 codes times their scales), into the caller's
-// buffer, each head's part zero-padded to padded_dim().
+// a block is read, row j of the block kAhead on is prefetched (2 blocks ahead beat 1). R == C: rows are read in place
+// (heads head_dim apart); R == float for a head size of part vectors or an int8 cache: rows are copied, widened (int8
+// codes times their scales), into the caller's buffer, each head's part zero-padded to padded_dim().
 template <typename C, typename R>
 class RowWalker {
  public:
@@ -114,14 +112,9 @@ class RowWalker {
 
 constexpr int64_t kMaxHeadVecs = 32;  // head sizes up to 256
 // Contexts longer than this are attended in chunks of it (see decode_attention_impl), for every batch alike. Short
-// chunks let one long sequence use every thread; each chunk costs a merge and a cold start of its streams. Where
-// the build has AVX-512, 512 (on the Xeon with AMX, alternating processes against 256: 64 sequences x 300 tokens
-// 0.96-1.01 -> 0.87-0.88 ms a layer, 64 x 512 1.52-1.55 -> 1.47-1.49, 1 x 512 0.016-0.018 -> 0.022-0.025; the mixed
-// run 1017 / 1057 / 1076 -> 1019 / 1086 / 1118 tok/s); with AVX2 alone, 256 (measured on an AMD EPYC at batch 1
-// only, see decode_attention_impl). For int8 caches too (thirty-first session): chunks of 256 let a lone 512-token
-// sequence use both threads (1 x 512 21.6-22.6 -> 18.4-19.7 us a layer) but cost more than that elsewhere (1 x 300
-// 13.6-13.9 -> 15.7-16.3, 64 x 300 592-626 -> 648-652, 64 x 512 1041-1067 -> 1070-1130; random tables, 30 layers'
-// caches, one process alternating, medians of 9 passes).
+// chunks let one long sequence use every thread; each chunk costs a merge and a cold start of its streams. 512 where
+// the build has AVX-512 (int8 caches too: 256 helped a lone sequence but cost more at 64), 256 with AVX2 alone
+// (docs/kernels.md).
 #if defined(__AVX512F__)
 constexpr int64_t kChunkTokens = 512;
 #else
@@ -163,11 +156,8 @@ struct DecodeScratch {
 
 // The calling thread's DecodeScratch, kept from call to call: made and first written by the thread that uses it, and
 // remade only for other head counts or sizes or a longer context. Made afresh in each call (tens of KiB zeroed), a
-// lone 512-token sequence's worker thread took 3-4 us to make its scratch against the main thread's 1.5-1.7 (rdtsc
-// marks inside the call), and the main thread then waited for it at attend_in_halves' barrier. A bare loop of
-// SmolLM2's decode kernels, alternating processes, medians of 10 rounds, us a layer: 1 sequence at 512 tokens 48.9 /
-// 51.7 / 49.4 -> 38.3 / 40.9 / 42.3; 16 at 250 223.9 / 209.7 / 214.5 -> 209.0 / 203.3 / 197.7; 4 at 300 and 64 at
-// 211 within the noise. The same bits.
+// worker thread took twice the main thread's time to make its scratch, and the main thread then waited for it at
+// attend_in_halves' barrier.
 DecodeScratch& kept_decode_scratch(const PagedGeometry& g, int64_t max_len) {
   struct Kept {
     std::optional<DecodeScratch> scratch;
@@ -353,18 +343,9 @@ constexpr int64_t kTileTokens = 16;  // keys in one AMX tile: its 16 rows
 // The same scores on AMX, for caches whose blocks hold whole 16-token tiles: each KV head's keys of 16 tokens are one A
 // tile per 32 values, straight from the cache (rows a cache row apart), and its GROUP query heads one B tile (pairs of
 // values, AMX's layout), so TDPBF16PS gives the 16 x GROUP sums. All tiles of the work item first, to scratch, then
-// each head's column, scaled (each tile's columns read right after its store measured about the same: 8 x 512 on one
-// thread 0.192 against 0.186 ms a layer). AMX loads wait for memory, so the hardware prefetchers are started on the
-// keys 2 tiles ahead (start_streams; asking for each of their lines instead, as before: random block tables, 64 x 512
-// 1.44-1.48 -> 1.38 ms a layer, 64 x 256 0.72-0.75 -> 0.68-0.69, 48 x 300 0.64 -> 0.59-0.61). With the values below,
-// against the scores by vectors and the values widened in order, alternating processes, medians of 9 passes: 64
-// sequences x 512 tokens from memory (30 layers' caches) 1.63-1.73 -> 1.48-1.51 ms a layer, 64 x 256 0.81-0.86 ->
-// 0.70-0.72, 4 x 512 in L2 on one thread 0.085-0.092 -> 0.063.
-// The same tile's value rows get their streams started too, so the values arrive in L2 while AMX works on the keys
-// (an item's values, 192 KiB at 512 tokens of SmolLM2, stay there until the value pass). Random block tables, 30
-// layers' caches, alternating processes: 64 x 512 1.57-1.64 -> 1.41-1.48 ms a layer, 48 x 300 0.678 -> 0.619-0.635;
-// 64 x 128, 1 x 512, 1 x 2048 and 8 x 1024 within the noise. Without the value walk's own prefetches (below),
-// 64 x 512 took 1.79-1.86 ms.
+// each head's column, scaled. AMX loads wait for memory, so the hardware prefetchers are started on the keys 2 tiles
+// ahead (start_streams), and on the same tile's value rows, so the values arrive in L2 while AMX works on the keys
+// (an item's values, 192 KiB at 512 tokens of SmolLM2, stay there until the value pass; docs/kernels.md).
 template <int KD, int GROUP>
 void bf16_scores_by_tiles(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                           const int64_t* table, int64_t lo, int64_t hi, const PagedGeometry& g,
@@ -444,9 +425,7 @@ inline int64_t second_half(int64_t begin, int64_t end) {
 
 // An item's scores for its tokens [lo, hi) at scores[h * padded_len + t - lo] (scores: the column of token lo),
 // on AMX where the CPU has it. The values' first kAhead blocks of [lo, hi), which the value walk does not prefetch,
-// are asked for first, to L2, so they arrive while the scores are computed (alternating processes, medians of 9
-// passes over 30 layers' caches: 64 sequences x 64 tokens 0.185-0.192 -> 0.163-0.173 ms a layer, 64 x 128
-// 0.380-0.388 -> 0.360-0.368, 48 x 300 0.643-0.653 -> 0.637-0.653).
+// are asked for first, to L2, so they arrive while the scores are computed.
 template <int KD, int GROUP>
 void bf16_scores(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                  const int64_t* table, int64_t lo, int64_t hi, const PagedGeometry& g, DecodeScratch& scratch,
@@ -470,14 +449,12 @@ void bf16_scores(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10
 // begin]): exp(score - head_max[h]) in place, and for each local query head the sum of those exps and of the values
 // weighted by them, in order: tokens [lo, split) to sums[h] and acc_out[h * head_dim + d], tokens [split, hi) apart
 // to split_sums and split_acc (null when split == hi). An empty range's sums are zeros. Both ranges in one walk: its
-// prefetches run on across the split (two walks, the second starting cold, cost 3-4% at 64 sequences).
+// prefetches run on across the split.
 // One KV head at a time, a cache block at a time; each 32-value vector of a row split into its even and odd values
 // as float32 (a shift and a mask: no widening shuffle), GROUP x 2 KD accumulators in registers, put back in order at
 // the end (the same sums, in the same order, as widening in order).
-// The exps are taken here, a block's just before its rows, so that they overlap with the values' reads: as a pass of
-// their own between the scores and the values (softmax_scores) they took 6.6% of an item's time at 64 x 512, reading
-// no memory. Random block tables, 30 layers' caches, alternating processes: 64 x 512 1.339 / 1.349 / 1.342 -> 1.307
-// / 1.308 / 1.307 ms a layer; 48 x 300, 64 x 128 and 8 x 1024 within the noise; 1 x 512 0.022-0.023 -> 0.023-0.025.
+// The exps are taken here, a block's just before its rows, so that they overlap with the values' reads; as a pass of
+// their own they read no memory and took 6.6% of an item's time.
 template <int KD, int GROUP>
 void bf16_values(const c10::BFloat16* v_cache, const int64_t* table, int64_t begin, int64_t end, int64_t lo,
                  int64_t split, int64_t hi, const PagedGeometry& g, float* scores, const float* head_max,
@@ -566,14 +543,8 @@ inline void add_halves(const float* acc, const float* sums, const float* head_ma
 
 // bfloat16 attention with AVX-512 BF16 (and AMX for the scores where the CPU has it), for head sizes of whole
 // 32-value vectors (KD of them) and GQA groups of up to 8 (GROUP): the same work item as attend_decode, by one
-// thread: all its scores, each head's maximum, then each half's value walk (see second_half). Against the 8-lane
-// path, alternating processes, medians of 9 passes over 30 layers' caches (development machine, a Xeon with AMX): 64
-// sequences x 512 tokens 1.59 -> 1.42 ms a layer, 1 x 512 0.030 -> 0.022, 1 x 2048 0.080 -> 0.062. Tried and no
-// faster: values by VDPBF16PS too (pairs of tokens interleaved, probabilities rounded to bfloat16), one KV head at a
-// time for the scores, prefetching 4 blocks ahead; the thread's next item's K and V asked for (PREFETCHT1) spread
-// over this item's value walk (64 x 512: 1330-1361 -> 1450-1475 us a layer; its keys alone 1321-1364 -> 1391-1431).
-// A plain read of the same blocks in the same order takes 1000-1131 us a layer on both threads: the kernel is within
-// 1.2-1.4x of reading its bytes.
+// thread: all its scores, each head's maximum, then each half's value walk (see second_half). It runs within
+// 1.2-1.4x of a plain read of the same blocks; the alternatives tried are in docs/kernels.md.
 template <int KD, int GROUP>
 void attend_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                         const int64_t* table, int64_t begin, int64_t end,
@@ -608,10 +579,7 @@ inline void load_bf16_pairs(const c10::BFloat16* p, Vec& even, Vec& odd) {
 // Values: one KV head at a time and a slice of its units at a time, so that the slice's GROUP x 2 kSlice
 // accumulators stay in registers (the 8-lane path keeps all of a group's in memory: 24 at SmolLM2's shape); the
 // item's value rows are prefetched while its keys are read, so the passes find them in L2. The sums are put back in
-// order at the end. Against the 8-lane path on an AMD EPYC VM with AVX2 alone, alternating processes, medians of 9+
-// passes, ms a layer: 30 layers' caches of 1 x 512 tokens (in L3) 0.051 -> 0.030, 2 x 512 0.099 -> 0.075, one
-// layer's 16 x 512 repeated (in L3) 0.35-0.54 -> 0.27-0.39. From memory, 64 x 512, no change (2.0-2.2 ms both):
-// torch's index_select of the same blocks reads them at the same rate there, 11.6 GB/s.
+// order at the end. From memory it runs at the rate torch's index_select reads the same blocks.
 template <int KD, int GROUP>
 void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                              const int64_t* table, int64_t begin, int64_t end,
@@ -620,7 +588,7 @@ void attend_decode_bf16_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cach
   using bf16 = c10::BFloat16;
   constexpr int64_t kDim = 16 * KD;
   // Units a values pass: accumulators, values, a probability and the mask in 16 registers up to GROUP 6 (two units
-  // at GROUP 3 spilled an accumulator to the stack, a store and reload each token: 16 x 512 in L3 0.44 -> 0.33 ms).
+  // at GROUP 3 spilled an accumulator to the stack, a store and reload each token).
   constexpr int kSlice = GROUP <= 2 ? std::min(KD, 2) : 1;
   const int64_t num_kv = g.num_kv_heads, num_q = num_kv * GROUP, len = end - begin, padded_len = round_up(len, kLanes);
   float* scores = scratch.scores.data();
@@ -771,18 +739,9 @@ inline __m512 codes16(const int8_t* p) {
 // times the key's scale and q's is the score. Each head's dot products of eight tokens are summed across lanes
 // together (vec.h). Then the softmax (softmax_scores); then values one KV head at a time, codes widened to float32,
 // GROUP x NV accumulators in registers, a value's scale folded into its probability.
-// Waits for memory were most of its time (perf's samples gathered on the prefetches), so: while a key row is read,
-// the key row kAhead blocks on is asked for (as RowWalker does) and the same token's value row is asked for to L2
-// line by line, so the value walk finds its rows there. Since, 4 sequences' caches in L2 take 44-50 us against
-// 64 x 512's 1017-1045 / 16 from memory: arithmetic is most of the time now.
-// Random block tables, 30 layers' caches, 64 x 512, medians of 9 passes: values' streams started a block at a time
-// and the value walk prefetching kAhead blocks on, 1120-1155 us a layer; each value row asked for with its key row,
-// 1017-1045 (bfloat16's kernel in the same runs 1230-1300). Tried and no faster: the key walk's prefetches as
-// streams started a block at a time (1675), keys 1-6 blocks ahead (within the noise), keys' scores on AMX int8 tiles
-// (TDPBSSD and TDPBSUD on q's high and low bytes: the same integers; 1163-1210 against these vectors' 1120-1143;
-// again with the value rows asked for per tile, 1247-1249 against 1012-1032, and in L2 54 against 44 us), values by
-// VPDPWSSD on pairs of tokens with their weights as int16 codes (963-1014: within the noise, and a second rounding),
-// the exps taken in the value walk as bf16_values does (1122-1151 against 1032-1081, alternating builds).
+// Waits for memory were most of its time, so while a key row is read, the key row kAhead blocks on is asked for (as
+// RowWalker does) and the same token's value row is asked for to L2 line by line, so the value walk finds its rows
+// there. AMX int8 tiles and VPDPWSSD values were no faster (docs/kernels.md).
 template <typename T, int NV, int GROUP>
 void attend_decode_int8(const T* q, const int8_t* k_cache, const int8_t* v_cache, const int64_t* table,
                         int64_t begin, int64_t end, T* out, const Partial* partial, const PagedGeometry& g,
@@ -927,7 +886,7 @@ struct Shares {
   int64_t most = 0;
 };
 // Tokens the busiest thread must be spared for attend_in_halves to pay: two more waits for all threads, and each
-// thread's parallel-region start, cost about 4 us (a lone 64-token sequence, one layer in L2: 5.5 -> 9.3 us).
+// thread's parallel-region start, cost about 4 us.
 constexpr int64_t kHalvesGain = 128;
 
 inline Shares share_out(const std::vector<int64_t>& tokens, int64_t threads) {
@@ -1029,11 +988,7 @@ struct ItemRun {
 // items are spread over the step instead, the shared blocks of a 64-sequence step, ~10 MB a layer, have left the
 // cache before the next sharer reads them). A run holds at most a quarter of a thread's share of the step's tokens,
 // so a step whose sequences all share one system prompt still uses every thread. Runs go longest first. Each item's
-// sums are its own, so the order changes no bit. The mixed workload (bfloat16, 200 requests, a quarter of a decode
-// step's block reads shared), three alternating rounds in one process: 1107.7 / 1075.6 / 1055.3 -> 1221.5 / 1142.3
-// / 1117.8 tok/s; later, in a slower hour, alternating processes: 937.4 / 997.1 / 1001.8 -> 1003.6 / 1044.5 /
-// 1003.9 tok/s, and the run's attention calls 12.81 / 13.18 -> 12.36 / 12.57 s. Steps without shared blocks, and
-// the shared-prefix workload (one 300-token system prompt, which stays in L2 in any order), did not move.
+// sums are its own, so the order changes no bit.
 inline std::vector<ItemRun> runs_sharing_blocks(std::vector<DecodeItem>& items, const int64_t* block_tables,
                                                 const PagedGeometry& g) {
   const auto table_from = [&](const DecodeItem& it) {
@@ -1071,12 +1026,8 @@ void decode_attention_impl(const T* q, const C* k_cache, const C* v_cache, const
   // long sequence is read by all threads. The chunks depend on the context length alone, never on the batch, so a
   // sequence gets the same bits in any batch. Handed out one run at a time (runs_sharing_blocks), longest first for
   // an even split.
-  // Until the twentieth session a step of fewer than 4 sequences a thread split each into its KV heads, and
-  // contexts went in chunks of 512. Each head's item read a third of every row, and one thread reading whole rows
-  // was as fast as two reading a head each: likely the hardware prefetchers brought in whole rows, so every row came
-  // from memory up to three times. With whole rows and 256-token chunks, in a one-request bfloat16 decode step on
-  // an AMD EPYC VM with AVX2 alone (alternating processes, ms of attention a step): 1 x 512 2.15-3.46 -> 1.70-2.07;
-  // 1 x 2000 14.8-15.3 -> 11.4-12.3; 1 x 128 the same.
+  // Items are whole rows, not KV heads: an item per head read a third of every row, and the hardware prefetchers
+  // brought in whole rows anyway, so each row came from memory up to three times (docs/kernels.md).
   std::vector<DecodeItem> items;
   std::vector<int64_t> first_chunk(num_seqs, -1);  // a chunked sequence's first chunk index
   int64_t num_chunks = 0;
@@ -1129,7 +1080,7 @@ void decode_attention_impl(const T* q, const C* k_cache, const C* v_cache, const
   }
 #endif
   // Chunks of each chunked sequence still to attend: the thread that finishes its last one merges them, inside the
-  // parallel loop (merging after it, on one thread, took 0.04-0.08 ms a layer at 64 x 512 on the Xeon).
+  // parallel loop (merging after it, on one thread, left the other waiting).
   std::unique_ptr<std::atomic<int64_t>[]> chunks_left(new std::atomic<int64_t>[num_seqs]);
   for (int64_t seq = 0; seq < num_seqs; ++seq)
     chunks_left[seq].store((context_lens[seq] + kChunkTokens - 1) / kChunkTokens, std::memory_order_relaxed);

@@ -7,8 +7,7 @@
 // S^T[key][r], the running max and sum per row, and the output O^T[d][r] are all rows of kRows floats, so the online
 // softmax (max, exp, rescale) is elementwise and both matmuls are register tiles of broadcast-FMAs. A work item is up
 // to kMaxTilesPerItem consecutive tiles, which share each step's keys and values, read (and widened to float32) once:
-// per tile, widening took about a tenth of the kernel (bfloat16, 2048 tokens, AVX2: 47.8-48.4 -> 40.7-41.1 ms a
-// layer with items of 8 tiles).
+// per tile, widening took about a tenth of the kernel.
 // Written with the vector extensions of vec.h. Bound into the `loom_paged_attention` module by paged_attention.cpp.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

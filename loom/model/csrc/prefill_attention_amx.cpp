@@ -8,57 +8,25 @@
 //   values: per 32-key step and 16 dims, row d = the step's 32 values of dim d (A tiles of O^T += V^T P^T).
 // Then each tile of 16 query lanes (16 tokens of one query head, or a chunk's last few tokens of several heads of
 // the group: for_each_tile) walks the keys 32 at a time, transposed: keys are tile rows and the 16 query lanes the
-// lanes (Q^T and P^T are the B tiles). TDPBF16PS gives the 32 x 16 scores in float32; an online
-// softmax in AVX-512 turns them into probabilities (rounded to bfloat16 for the P V product, as flash-attention
-// kernels round them), its maxima and sums over keys taken lane by lane; TDPBF16PS adds P V into the output sums,
-// which stay in tile registers (head sizes up to 64; the rest of a 128 in memory). A lane's maximum is moved, and its
-// sums rescaled, only when a step's scores exceed it by more than kLazyRescale (8, in units of log2): probabilities
-// then reach up to 2^8 against the old maximum, which float32 sums and bfloat16 P hold with the same relative
-// precision, and most steps store, rescale and reload nothing (the lazy rescaling of FlashAttention-4). Against the
-// rescale of every step, with o in memory and the Cephes exp of vec.h, alternating processes, medians of 5, ms a
-// layer: 2048 tokens 8.8 -> 6.1-6.9, 512 0.60-0.64 -> 0.49-0.51, 256 new tokens after 768 cached 0.96-0.99 ->
-// 0.74-0.82. Before that, against scores with the queries as rows (a maximum and a sum across lanes per query and
-// step): 2048 tokens 11.6-12.0 -> 9.0-9.3, 512 0.87-0.90 -> 0.68-0.70, 256 after 768 1.39-1.40 -> 1.03-1.06.
-// The softmax's vector work is lean: maxima of the raw scores, each probability 2^(score * scale * log2(e) - maximum)
-// by one FMA and a cubic (exp2_16), keys masked only in the steps that reach the tile's first position. Against a
-// scaled, masked score per key and a degree-5 e^x (aligned scratch both; alternating builds, three runs, ms a layer):
-// 2048 tokens 4.89-5.00 -> 4.19-4.44, 512 0.36-0.38 -> 0.31-0.44, 256 after 768 0.55-0.57 -> 0.46-0.48; against a
-// float64 reference the mean error went 3.02e-4 -> 3.01e-4 (2048 tokens; random q scaled by 2), the largest stayed
-// 1.18e-2.
-// A step after a tile's first takes its maxima in the pass that computes its probabilities against the old ones; a
-// rising step computes them again (0.54-0.65% of such steps in SmolLM2's 2048-token prefills of text and of random
-// tokens). One pass over the scores instead of two, the same bits. Alternating in one process, medians of 11, ms a
-// layer: 2048 tokens 5.11-5.33 -> 4.69-4.87, 512 0.38-0.48 -> 0.36-0.44, 256 after 768 0.56-0.59 -> 0.51-0.52; a
-// 2048-token prefill 555-567 -> 522-540 ms.
-// Since then a step after a tile's first takes no maxima at all unless its sums reach kRiseSums in some lane, which a
-// lane whose maximum rises must (one of its probabilities is 2^kLazyRescale or more): the same rising steps, the
-// same bits, and no VMAXPS in the usual step. A /tmp harness of this file's attend_tile, tiles of 49-64 steps, one
-// thread: 149-153 -> 137-140 ns a step; attention in a 2048-token prefill, alternating processes, medians of 11,
-// 110.4 / 107.1 / 110.3 / 113.4 -> 103.1 / 103.6 / 104.9 / 106.5 ms.
+// lanes (Q^T and P^T are the B tiles), so the softmax's maxima and sums are taken lane by lane, not across lanes.
+// TDPBF16PS gives the 32 x 16 scores in float32; an online softmax in AVX-512 turns them into probabilities (rounded
+// to bfloat16 for the P V product, as flash-attention kernels round them); TDPBF16PS adds P V into the output sums,
+// which stay in tile registers (head sizes up to 64; the rest of a 128 in memory).
+// A lane's maximum is moved, and its sums rescaled, only when a step's scores exceed it by more than kLazyRescale (8,
+// in units of log2): probabilities then reach up to 2^8 against the old maximum, which float32 sums and bfloat16 P
+// hold with the same relative precision, and most steps store, rescale and reload nothing (the lazy rescaling of
+// FlashAttention-4). A step takes its maxima only when its sums reach kRiseSums in some lane, which a lane whose
+// maximum rises must: the usual step computes no maxima at all.
+// The softmax's vector work is lean: each probability 2^(score * scale * log2(e) - maximum) by one FMA and a cubic
+// (exp2_16), keys masked only in the steps that reach the tile's first position.
 // Items go KV head by KV head, costliest first, and a thread keeps the keys and values it laid out while its next
 // item needs no more of the same sequence and head (keys past an item's own are masked, their probabilities exactly
-// 0): a 2048-token prompt is laid out about once a head and thread (~6 times a layer), not 48. In one process,
-// medians of 11, ms a layer: 2048 tokens 5.43-5.76 -> 5.09-5.48 (head size 128: 4.07 -> 3.67), 512 0.36-0.40 ->
-// 0.35-0.40, 256 after 768 the same (0.52-0.66 -> 0.53-0.63); a 2048-token prefill 507-517 -> 487-521 ms, within
-// its noise.
+// 0): a 2048-token prompt is laid out about once a head and thread, not once a tile.
 // A step's two 16-key blocks take their scores in two tiles (4 and 7), products interleaved, and the next step's
-// products are issued before this step's softmax (thirty-second session): one layer at 2048 tokens, alternating
-// builds, medians of 11, 3.62-3.75 -> 3.38-3.54 ms (512 tokens 0.28-0.29 -> 0.27), the same bits. That is about all
-// the overlap there is: with the softmax's vector loop removed a layer took 1.83 ms, with the products removed 1.44,
-// and together 3.4, their sum. A /tmp loop of this kernel's 8 products and tile loads a step beside independent
-// AVX-512 FMAs ran 52 ns alone, 29 ns for 192 FMAs alone and 95-97 ns for both (worse still with the FMAs between
-// the products), so on this core the tile products and 512-bit vector work do not run side by side. Also tried: each
-// step's P V issued one step later (after the next softmax, P^T in two buffers), 3.39 -> 3.44 ms, not kept.
-// Tried and not kept (thirty-third session, docs/benchmarks.md): a step's value tiles asked for to L1 during its
-// softmax (3.50-3.69 -> 3.67-3.84 ms); the rescale decided by the step's sums instead of its maxima (one max less per
-// 16 scores, within the noise, 0.04% of outputs an ulp apart); and a loop over 128-key chunks with K/V reused from L1
-// by all of an item's tiles, not built: K/V read from an L1-sized window took 2.95-3.14 ms against 3.39-3.63, but
-// with the output tiles' store and reload that each chunk of each tile would add, 3.64.
+// products are issued before this step's softmax. On this core tile products and 512-bit vector work do not run side
+// by side, so that is about all the overlap there is. The alternatives measured are in docs/kernels.md.
 // Every query token's arithmetic is its own (its own lane and its own maximum; keys step in 32s from key 0), so a
 // token gets the same bits whichever chunk, tile or lane it is prefilled in.
-// A step's 64 chunks of 6 tokens (a request's last token and 5 drafts) at 320 tokens of context, 30 layers' caches,
-// random block tables: 1.85 ms a layer with an item a KV head and a tile a query head (64 decode rows: 0.97), 1.26 /
-// 1.30 / 1.44 ms for chunks of 1 / 3 / 6 tokens with items of whole sequences and packed lanes (forty-seventh session).
 #include <torch/extension.h>
 
 #include "bfloat16.h"
@@ -94,11 +62,8 @@ inline V16 load16(const float* p) {
 inline void store16(float* p, V16 v) { std::memcpy(p, &v, sizeof v); }
 // 2^x (x up to kLazyRescale), sixteen lanes: r = x - floor(x) in [0, 1) by one VREDUCEPS, 2^r by a cubic (relative
 // error 8.6e-5, under a tenth of a bfloat16 ulp; 2^0 = 1 exactly), times 2^floor(x) by VSCALEFPS, which floors its
-// exponent itself. A masked score gives an integer x so large that r = 0 and 2^x is exactly 0. Against rounding to
-// the nearest n (VRNDSCALEPS, two micro-ops, and a subtraction) with a cubic on [-1/2, 1/2]: one layer at 2048 tokens,
-// alternating in one process, medians of 11, 3.76-4.47 -> 3.51-4.23 ms (512: 0.29-0.35 -> 0.28-0.34, 256 after 768
-// 0.44-0.55 -> 0.43-0.53); against a float64 reference (2048 tokens, q scaled by 2) the mean error 3.005e-4 ->
-// 3.007e-4, the largest 1.183e-2 both. A 2048-token prefill: 478-506 -> 493-502 ms, within its noise.
+// exponent itself. A masked score gives an integer x so large that r = 0 and 2^x is exactly 0. One micro-op fewer than
+// rounding to the nearest n with a cubic on [-1/2, 1/2], with the same error against float64.
 inline V16 exp2_16(V16 x) {
   const __m512 v = reinterpret_cast<__m512>(x);
   const __m512 r = _mm512_reduce_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // x - floor(x), in [0, 1)
@@ -146,8 +111,7 @@ inline __m512i bf16_pairs(V16 low, V16 high) {
   return _mm512_permutexvar_epi16(interleave, both);
 }
 
-// On cache lines (TileBuffer): against malloc's 16-byte offset, alternating builds, medians of 7, ms a layer: 2048
-// tokens 8.79 -> 5.83, 512 0.624 -> 0.373, 256 new tokens after 768 cached 0.990 -> 0.557 (same bits).
+// On cache lines (TileBuffer): malloc's 16-byte offset made tile loads split lines, a layer about 1.5x slower.
 struct Scratch {
   loom::amx::TileBuffer<bf16> keys, values;  // the item's operand tiles (see the top of the file), KV head by head
   loom::amx::TileBuffer<bf16> q, p;          // Q^T as B tiles [head_dim / 32][16][32]; P^T as a B tile [16][32]
@@ -220,8 +184,7 @@ void lay_out_keys_and_values(const C* k_cache, const C* v_cache, const int64_t* 
   for (int64_t block = 0; block < 2 * steps; ++block) {
     const int64_t count = std::clamp<int64_t>(num_keys - block * kBlock, 0, kBlock);
     // The next block's rows of these heads asked for now: blocks lie wherever the table puts them, beyond the
-    // hardware prefetchers' reach, and each row is read once. Attention's share of a 2048-token prefill, alternating
-    // processes, medians of 11: 110.2 / 111.9 / 110.5 / 110.2 -> 106.9 / 105.4 / 106.2 / 107.8 ms.
+    // hardware prefetchers' reach, and each row is read once.
     if (num_keys - (block + 1) * kBlock > 0) {
       for (int64_t n = 0; n < kBlock; ++n) {
         const int64_t row = g.row_offset(table[block + 1], n) + kvh0 * head_dim;
@@ -457,9 +420,8 @@ bool prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& k_cache,
   // A work item: query tokens [t0, t1) of a sequence's chunk against KV heads [kvh0, kvh1). A long chunk goes a KV
   // head and up to kItemTokens tokens an item. Short chunks (under 16 tokens: a verification step's last tokens and
   // drafts, a prompt's last token after cached blocks), where there are at least as many as threads, go a sequence
-  // an item, every KV head laid out from the same pass over its blocks: three items of one head each read the same
-  // cache rows three times, a third of each row at a time (64 chunks of 6 tokens at 320 tokens of context, 30
-  // layers' caches: 1.85 ms a layer, against 0.97 for 64 decode rows).
+  // an item, every KV head laid out from the same pass over its blocks: items of one head each read the same cache
+  // rows again, a part of each row at a time.
   struct Item { int64_t seq, kvh0, kvh1, t0, t1; };
   std::vector<Item> items;
   int64_t max_keys = 0, short_chunks = 0;

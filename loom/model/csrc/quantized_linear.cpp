@@ -105,9 +105,8 @@ void fused_tile(const float* __restrict x, int64_t in_features, const uint8_t* _
   finish_tile<Y, ROWS, PANELS>(acc, bias, y, y_stride);
 }
 
-// 1-6 rows; one row takes three adjacent panels when `full_panels` allows, for six FMA chains (1 row, 120 layer
-// matmuls, alternating: 6.58-7.66 ms against 7.09-8.13 with two panels, 10.5-10.7 against 9.8-10.0 with four).
-// Returns panels done.
+// 1-6 rows; one row takes three adjacent panels when `full_panels` allows, for six FMA chains (faster than two
+// panels or four). Returns panels done.
 template <typename F, typename Y>
 int64_t fused_rows(int64_t rows, int64_t full_panels, const float* x, int64_t in_features, const uint8_t* panel,
                    int64_t panel_bytes, const float* bias, Y* y, int64_t y_stride) {
@@ -141,8 +140,7 @@ void dequantize_panel(const uint8_t* panel, int64_t in_features, float* out) {
 
 // Up to 16 rows: each weight dequantized in registers, once per tile of up to 6 rows (a panel's codes stay in L1 from
 // one tile to the next). More rows: each panel dequantized once per block of rows into a float32 scratch (in L2) that
-// the float32 tiles reuse for every 6 rows. Over the model's 120 layer matmuls, alternating in one process on the
-// development machine (2 threads, ms): 8 rows fused 18.8 / scratch 26.5, 16 rows 37.1 / 42.2, 18 rows 44.0 / 40.2.
+// the float32 tiles reuse for every 6 rows (the two cross near 16 rows).
 template <typename F, typename X>
 void quantized_linear_impl(const X* x, const uint8_t* records, const float* bias, X* y, int64_t rows,
                            int64_t in_features, int64_t out_features) {

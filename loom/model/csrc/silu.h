@@ -19,8 +19,7 @@ namespace loom {
 // SiLU in float32 (silu_float) is a few ulp off torch's: harmless for a float32 result, but for bfloat16 it flips the
 // rounding of a value next to a bfloat16 midpoint, so those few (low 16 bits within kNearTie of 0x8000, ~1 in 4000)
 // are recomputed in double and rounded once, as torch's float32 result is rounded. Any float32 SiLU within kNearTie
-// ulp of the exact one then rounds to torch's bfloat16. Against the sigmoid in double for all, alternating processes,
-// medians of 301 calls at 64 x 1536: bfloat16 60.4-65.5 -> 37.2-38.0 us, float32 43.1-44.5 -> 26.2-28.4 us.
+// ulp of the exact one then rounds to torch's bfloat16; the sigmoid in double for all was about 1.6x slower.
 constexpr uint32_t kNearTie = 8;
 
 // e^x overflows float32 above ln(FLT_MAX) = 88.7228; torch's x / (1 + inf) is then -0. (Under -ffast-math the
@@ -39,8 +38,8 @@ inline float pow2(int32_t k) {
 
 // e^x * 2^k, for x in [kExpNegligible, kExpOverflow] and k in [-64, 0]: x = n ln2 + r, |r| <= ln2 / 2, e^r by its
 // Taylor series to r^7 (the remainder under 6e-9 relative), times 2^(n + k) built in the exponent bits; within 2 ulp
-// of e^x. Against GCC's vector expf: the same on every libm, and no slower (bfloat16 silu_mul at 64 x 1536,
-// alternating builds: 40.5-40.6 against 41.8-47.0 us); any e^x a few ulp off gives the same bfloat16 SiLU (kNearTie).
+// of e^x. Against GCC's vector expf: the same on every libm, and no slower; any e^x a few ulp off gives the same
+// bfloat16 SiLU (kNearTie).
 inline float exp_times_pow2(float x, int32_t k) {
   const float n = std::nearbyint(x * 1.44269504f);
   const float r = (x - n * 0.693145751953125f) - n * 1.42860677e-06f;  // ln 2 in two parts: n * hi is exact
@@ -81,9 +80,8 @@ inline float silu_in_double(float x) {
 
 // A bfloat16 gate has 65,536 values, so its SiLU rounded to bfloat16 is a table, built once by the arithmetic above
 // (same bits): 128 KiB, of which a layer's gates touch a few KiB (|gate| within a few powers of two). Indexed by the
-// gate's bits; one entry of padding, so that a 4-byte gather at the last index stays inside. Against computing each
-// SiLU (16 lanes of silu_float, near ties in double), alternating processes, medians of 301 calls, bfloat16 silu_mul
-// 64 x 1536: 37.5-66.2 -> 21.6-22.0 us; 256 x 1536: 140.5-272.5 -> 79.6-84.6 us.
+// gate's bits; one entry of padding, so that a 4-byte gather at the last index stays inside. About 1.7x faster than
+// computing each SiLU.
 inline const uint16_t* bf16_silu_table() {
   static const std::vector<uint16_t> table = [] {
     std::vector<uint16_t> t(65536 + 1);

@@ -1,8 +1,7 @@
-// Stores a step's new keys and values at their slots of the paged KV cache: one row copy per token and cache.
-// torch's index_copy_, two calls of it, took 13-32 us (one request) and 95-123 us (64 requests) per layer here; this
-// one call 9 and 22 us. The rows may be strided views into the fused qkv projection, so nothing is made contiguous
-// first. Every slot is checked before anything is written. An int8 cache gets each head's row quantized
-// (int8_kv.h), its scale stored at the same slot of the scales.
+// Stores a step's new keys and values at their slots of the paged KV cache: one row copy per token and cache, in
+// one call where torch's index_copy_ took two. The rows may be strided views into the fused qkv projection, so
+// nothing is made contiguous first. Every slot is checked before anything is written. An int8 cache gets each head's
+// row quantized (int8_kv.h), its scale stored at the same slot of the scales.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -16,9 +15,7 @@
 namespace {
 
 // Steps of fewer tokens (decode) copy on the calling thread: a parallel region costs more than their copies. A
-// prefill's rows are split between threads: on one thread its copies (~0.12 ms a layer at 2048 tokens alone, more
-// in the forward) left the other waiting. A 2048-token prefill step, alternating processes, medians of 7: 391.0 /
-// 355.6 / 355.4 -> 344.1 / 341.1 / 352.0 ms.
+// prefill's rows are split between threads: on one thread its copies left the other waiting.
 constexpr int64_t kGrainTokens = 256;
 
 void check_rows(const torch::Tensor& rows, const torch::Tensor& cache, const char* name) {

@@ -1,0 +1,182 @@
+"""Run Loom's benchmark commands and write docs/benchmarks.md from their JSON.
+
+    python docs/make_benchmarks.py --run             # every command (about 20 minutes on 2 cores), then the page
+    python docs/make_benchmarks.py --run offline     # one of them again, then the page
+    python docs/make_benchmarks.py                   # the page from the JSON already in docs/data/
+
+Each command's JSON lines go to docs/data/NAME.jsonl with the machine, date and commit they were measured on; plots
+go to docs/img/. The page shows what the JSON holds, nothing typed by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).parent
+DATA = DOCS / "data"
+
+RUNS = {
+    "offline": "loom bench offline --workload mixed --num-requests 200 --dtypes bfloat16 "
+               "--policies static,continuous --plot docs/img",
+    "peers": "loom bench offline --workload mixed --num-requests 64 --dtypes float32,bfloat16 --policies continuous "
+             "--peers hf --hf-requests 16",
+    "serve": "loom bench serve --against-offline --concurrency 1,16,64 --num-requests 128 --plot docs/img",
+    "demo": "loom demo --plain --plot docs/img",
+}
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), [])
+    memory_kib = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
+                          if line.startswith("MemTotal")))
+    import torch
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(memory_kib / (1 << 20)),
+            "bfloat16_hardware": [f for f in ("amx_bf16", "avx512_bf16") if f in flags], "torch": torch.__version__,
+            "commit": subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                                     cwd=DOCS).stdout.strip()}
+
+
+def run(name: str) -> None:
+    command = RUNS[name]
+    print(f"$ {command}", file=sys.stderr, flush=True)
+    done = subprocess.run([sys.executable, "-m", "loom.cli", *shlex.split(command)[1:]], capture_output=True,
+                          text=True, cwd=DOCS.parent)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    meta = {"command": command, "date": datetime.date.today().isoformat(), "exit_code": done.returncode,
+            "machine": machine()}
+    DATA.mkdir(exist_ok=True)
+    (DATA / f"{name}.jsonl").write_text("\n".join(json.dumps(x) for x in [meta, *lines]) + "\n")
+    if done.returncode:
+        print(done.stderr[-3000:], file=sys.stderr)
+
+
+def load(name: str) -> tuple[dict, list[dict]] | None:
+    path = DATA / f"{name}.jsonl"
+    if not path.exists():
+        return None
+    meta, *lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return meta, lines
+
+
+def header(meta: dict) -> list[str]:
+    m = meta["machine"]
+    bf16 = ", ".join(m["bfloat16_hardware"]) or "no bfloat16 hardware"
+    return [f"`{meta['command']}`", "",
+            f"Measured {meta['date']} at {m['commit']} on {m['cpu']} ({m['cores']} cores, {m['memory_gib']} GiB, "
+            f"{bf16}), torch {m['torch']}.", ""]
+
+
+def table(columns: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns),
+            *("| " + " | ".join(str(x) for x in row) + " |" for row in rows), ""]
+
+
+def offline_section(meta: dict, lines: list[dict]) -> list[str]:
+    runs = [x for x in lines if "system" in x]
+    summary = next((x for x in lines if x.get("summary")), {})
+    out = ["## Static against continuous batching", "",
+           "200 requests, prompts of 20-400 tokens and 16-256 output tokens, greedy with `ignore_eos`, 64 slots, "
+           "on one engine in one process. Static batching runs waves of 64 padded to the longest; continuous "
+           "batching schedules every step.", "", *header(meta)]
+    out += table(["policy", "output tok/s", "seconds", "steps", "TTFT p50 s", "padding tokens", "KV fragmentation",
+                  "of matmul peak", "time over roofline"],
+                 [[x["system"], x["output_tokens_per_s"], x["seconds"], x["steps"], x["ttft_p50_s"], x["pad_tokens"],
+                   f"{100 * x['kv_fragmentation']:.1f}%", f"{100 * x['fraction_of_peak']:.1f}%",
+                   f"{x['seconds_over_roofline']}x"] for x in runs])
+    if summary:
+        out += [f"Continuous over static: **{summary['continuous_over_static']}x**; the static waves spent "
+                f"{100 * summary['static_pad_fraction']:.0f}% of their tokens on padding; identical outputs: "
+                f"{summary['identical_outputs']}.", ""]
+    out += ["![static and continuous slot timelines](img/timeline-mixed-bfloat16-auto.png)", "",
+            "![KV cache use per step](img/kv-mixed-bfloat16-auto.png)", ""]
+    return out
+
+
+def peers_section(meta: dict, lines: list[dict]) -> list[str]:
+    out = ["## Loom against transformers", "",
+           "The first 16 requests of the mixed workload, all at once: Loom's continuous batching against transformers' "
+           "`generate` (one padded batch, its best here) and `generate_batch` (its own continuous batching), the same "
+           "weights in the same process.", "", *header(meta)]
+    rows = []
+    for x in lines:
+        if x.get("requests") != 16 or "system" not in x:
+            continue
+        rate = x.get("output_tokens_per_s", x.get("error", "-"))
+        rows.append([x["dtype"], x["system"], rate, x.get("loom_continuous_over_this", "-"),
+                     x.get("identical_outputs_to_loom", "-")])
+    return out + table(["dtype", "system", "output tok/s", "Loom over this", "identical outputs"], rows)
+
+
+def serve_section(meta: dict, lines: list[dict]) -> list[str]:
+    out = ["## The server against the engine", "",
+           "The mixed workload offline (`LLMEngine` in the benchmark's process), then through a `loom serve` the "
+           "command starts with the same settings, over HTTP with streaming (SSE) clients. One stream: the first 12 "
+           "requests one at a time, time per output token after the first. N clients: all 128 requests with N in "
+           "flight. Client and server share the machine's cores; their CPU seconds are given, the server's split into its "
+           "engine thread with its OpenMP workers (the model) and every other thread (HTTP, SSE, the event loop, "
+           "tokenizing).", "", *header(meta)]
+    rows = []
+    for x in lines:
+        on, off = x["online"], x["offline"]
+        if x["concurrency"] == 1:
+            rows.append(["1", f"{off['tpot_ms']['median']:.2f} ms/token", f"{on['tpot_ms']['median']:.2f} ms/token",
+                         f"{x['tpot_online_over_offline']:.3f}x time", f"{on['ttft_ms']['median']:.0f} / "
+                         f"{on['ttft_ms']['p99']:.0f}", x["client_cpu_s"], x["server_engine_threads_cpu_s"],
+                         x["server_other_threads_cpu_s"]])
+        else:
+            rows.append([str(x["concurrency"]), f"{off['output_token_throughput']:.1f} tok/s",
+                         f"{on['output_token_throughput']:.1f} tok/s",
+                         f"{x['throughput_online_over_offline']:.3f}x throughput",
+                         f"{on['ttft_ms']['median']:.0f} / {on['ttft_ms']['p99']:.0f}", x["client_cpu_s"],
+                         x["server_engine_threads_cpu_s"], x["server_other_threads_cpu_s"]])
+    out += table(["clients", "offline", "online", "online / offline", "TTFT p50 / p99 ms", "client CPU s",
+                  "server CPU s: engine threads", "server CPU s: other threads"], rows)
+    workers = sorted({x.get("server_openmp_workers") for x in lines})
+    out += [f"OpenMP workers parked in the server after the run: {workers} (one team).", "",
+            "![throughput against load](img/serve_throughput.png) ![latency against load](img/serve_latency.png)", ""]
+    return out
+
+
+def demo_section(meta: dict, lines: list[dict]) -> list[str]:
+    return ["## The article's experiment", "", *header(meta),
+            "Six requests on three slots, static against continuous, drawn from the engine's own steps:", "",
+            "![the article's six requests](img/demo_timeline.png)", ""]
+
+
+def render() -> str:
+    out = ["# Benchmarks", "",
+           "Every figure on this page comes from the JSON of the command above it (docs/data/), written by "
+           "`python docs/make_benchmarks.py`; rerun it to measure your machine. The bundled SmolLM2-135M-Instruct "
+           "(GGUF Q4_1) is the model throughout; `--dtype auto` chose bfloat16 where the table says so.", ""]
+    for name, section in (("offline", offline_section), ("peers", peers_section), ("serve", serve_section),
+                          ("demo", demo_section)):
+        loaded = load(name)
+        if loaded is not None:
+            out += section(*loaded)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", nargs="*", choices=list(RUNS), default=None, help="run these (none named: all)")
+    args = parser.parse_args()
+    if args.run is not None:
+        for name in args.run or list(RUNS):
+            run(name)
+    (DOCS / "benchmarks.md").write_text(render())
+
+
+if __name__ == "__main__":
+    main()
