@@ -11,6 +11,8 @@ from loom.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, LAYER_OPS, MATMUL_B
 from loom.engine_args import add_engine_args, engine_config, speculative_configs
 from loom.server import KEEP_ALIVE_SECONDS
 
+ROUTER_NAMES = ("prefix", "pow2", "round_robin")  # loom/distributed/router.py's
+
 
 def _chat_template(value: str) -> str:
     from pathlib import Path
@@ -71,12 +73,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("loom.server")
-    # The engine thread builds the model: every parallel region then runs on that one thread (async_engine.py).
-    client = AsyncEngine(lambda: LLMEngine(engine_config(args)), max_waiting=args.max_waiting,
-                         request_timeout=args.request_timeout)
-    why = f" ({auto_dtype()[1]})" if args.dtype == "auto" else ""
-    log.info("engine: %s%s", client.engine.describe(), why)
-    model_name = client.engine.loaded.name
+    if args.replicas is not None:
+        try:
+            from loom.distributed.launch import connect, default_threads_per_replica, start_replicas
+        except ImportError as e:
+            raise ValueError(f"--replicas needs Ray Serve: pip install 'loom[ray]' ({e})") from e
+        connect(args.ray_address)
+        threads = args.threads_per_replica or default_threads_per_replica(args.replicas, args.max_replicas_per_node)
+        client = start_replicas(engine_config(args), args.replicas, threads, args.router, args.max_replicas_per_node,
+                                args.max_waiting, args.request_timeout)
+        model_name = client.info.model_name
+    else:
+        # The engine thread builds the model: every parallel region then runs on that one thread (async_engine.py).
+        client = AsyncEngine(lambda: LLMEngine(engine_config(args)), max_waiting=args.max_waiting,
+                             request_timeout=args.request_timeout)
+        why = f" ({auto_dtype()[1]})" if args.dtype == "auto" else ""
+        log.info("engine: %s%s", client.engine.describe(), why)
+        model_name = client.engine.loaded.name
     if args.chat_template is not None:
         client.tokenizer.chat_template = args.chat_template  # before any request has compiled the model's
     name = args.served_model_name or model_name
@@ -171,6 +184,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve GET /tokenizer_info (vLLM's; lm-eval's remote tokenizer reads it)")
     s.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGTERM")
+    s.add_argument("--replicas", type=int, default=None,
+                   help="serve from this many engine replicas on Ray Serve (pip install 'loom[ray]')")
+    s.add_argument("--ray-address", default=None,
+                   help="with --replicas: the Ray cluster to join ('auto': the one `ray start` made here; default: "
+                        "a local Ray instance)")
+    s.add_argument("--threads-per-replica", type=int, default=None,
+                   help="with --replicas: kernel threads of each replica (default: a node's cores / its replicas)")
+    s.add_argument("--router", default="prefix", choices=ROUTER_NAMES,
+                   help="with --replicas: prefix (cache affinity; least loaded when queues are uneven), pow2, "
+                        "round_robin")
+    s.add_argument("--max-replicas-per-node", type=int, default=None, help="with --replicas: at most this many a node")
     s.add_argument("--keep-alive-timeout", type=float, default=KEEP_ALIVE_SECONDS,
                    help="seconds an idle keep-alive connection stays open (above httpx's 5 s, so a client never "
                         "sends on a closing one)")

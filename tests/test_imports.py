@@ -13,7 +13,7 @@ import loom
 
 PACKAGE = Path(loom.__file__).parent
 # Each module's layer by its name's prefix (the longest that matches); a module imports only its own layer or lower.
-LAYERS = {"loom.cli": 4, "loom.server": 3, "loom.bench": 3, "loom.demo": 3, "loom.viz": 3, "loom.engine": 2,
+LAYERS = {"loom.cli": 4, "loom.server": 3, "loom.bench": 3, "loom.demo": 3, "loom.viz": 3, "loom.distributed": 3, "loom.engine": 2,
           "loom.engine_args": 2, "loom.model": 1, "loom.config": 0, "loom.cpu": 0, "loom.cache_dir": 0,
           "loom.sampling": 0, "loom.tokenizer": 0, "loom.structured_output": 0}
 
