@@ -87,7 +87,10 @@ class RayEngineClient:
         try:  # the first output, or the replica's refusal, before the API answers: a refusal keeps its status
             first = await response.__anext__()
         except RayError as e:
-            raise _engine_error(e.cause if hasattr(e, "cause") and e.cause is not None else e) from e
+            raise _engine_error(getattr(e, "cause", None) or e) from e
+        except BaseException:  # the client went away meanwhile: nothing stays running on the replica
+            response.cancel()
+            raise
         stream = RayRequestStream(request.request_id, request.prompt_token_ids, response, first,
                                   lambda rid: self._streams.pop(rid, None))
         self._streams[request.request_id] = stream
@@ -129,4 +132,5 @@ class RayEngineClient:
         return merged_metrics_text(texts, [ready])
 
     def stop(self) -> None:
-        pass
+        """The endpoint's shutdown takes its replicas down with it."""
+        serve.delete(self.app_name)

@@ -67,7 +67,6 @@ class PrefixAwareRouter(RequestRouter):
         self.imbalanced_ratio = imbalanced_ratio
         self.max_blocks_per_replica = max_blocks_per_replica
         self.tables: dict[ReplicaID, _PrefixTable] = {}
-        self.routed = {"prefix": 0, "load": 0}
 
     def _table(self, replica_id: ReplicaID) -> _PrefixTable:
         return self.tables.setdefault(replica_id, _PrefixTable(self.max_blocks_per_replica))
@@ -78,15 +77,12 @@ class PrefixAwareRouter(RequestRouter):
         least = min(candidate_replicas, key=lambda r: loads[r.replica_id])
         most, fewest = max(loads.values()), min(loads.values())
         if most - fewest > self.imbalanced_threshold and most > self.imbalanced_ratio * fewest:
-            self.routed["load"] += 1
             return [[least]]
         keys = block_hashes(_prompt_ids(pending_request), BLOCK_SIZE)
         matched = {r.replica_id: self._table(r.replica_id).matched(keys) for r in candidate_replicas}
         best = max(matched.values(), default=0)
         if best == 0:  # nobody holds any of it: the least loaded, as for a new prefix
-            self.routed["load"] += 1
             return [[least]]
-        self.routed["prefix"] += 1
         holders = [r for r in candidate_replicas if matched[r.replica_id] == best]
         return [sorted(holders, key=lambda r: loads[r.replica_id])[:1], [least]]
 
