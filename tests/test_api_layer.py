@@ -61,6 +61,9 @@ class ScriptedClient:
     def abort(self, request_id: str) -> None:
         pass
 
+    def health(self) -> dict:
+        return {"scripted": True}
+
     def stats(self) -> EngineStats:
         return EngineStats(0, 0, 0, 10, 0, 0, 0, 0)
 
@@ -106,3 +109,4 @@ def test_overload_is_a_503_with_retry_after(tiny_llama):
         assert response.status_code == 503 and response.headers["retry-after"] == "1"
         assert response.json()["error"]["code"] == "overloaded"
         assert http.get("/metrics").text == "loom_requests_running 0.0\n"
+        assert http.get("/health").json() == {"status": "ok", "scripted": True}

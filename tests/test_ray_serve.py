@@ -171,6 +171,11 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(cluster):
         while client.ready_replicas < 2 and time.time() < deadline:
             time.sleep(1)
         assert client.ready_replicas == 2
+        health = {}
+        while health.get("replicas_ready") != 2 and time.time() < deadline + 30:  # Serve's status settles
+            time.sleep(1.1)
+            health = httpx.get(base + "/health", timeout=10).json()
+        assert health == {"status": "ok", "replicas_ready": 2}
 
 
 def test_the_cli_router_names_are_the_routers():

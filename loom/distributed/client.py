@@ -115,6 +115,9 @@ class RayEngineClient:
     def is_healthy(self) -> bool:
         return self.ready_replicas > 0
 
+    def health(self) -> dict:
+        return {"replicas_ready": self.ready_replicas}
+
     def stats(self) -> EngineStats:
         """The replicas' latest posted figures, summed."""
         totals: dict[str, float] = {}

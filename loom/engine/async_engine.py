@@ -134,6 +134,9 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self.error is None and self._thread.is_alive()
 
+    def health(self) -> dict:
+        return {}  # one engine in this process: its status says it all
+
     @property
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + self._commands.qsize()

@@ -66,6 +66,9 @@ class EngineClient(Protocol):
     @property
     def is_healthy(self) -> bool: ...
 
+    def health(self) -> dict:
+        """What GET /health reports beside its status (a client of replicas: how many are ready)."""
+
     async def add(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                   priority: int = 0) -> RequestStream:
         """Validate and queue a request: ValueError on bad input, EngineOverloaded, EngineDead."""

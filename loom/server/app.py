@@ -67,7 +67,7 @@ def create_app(client: EngineClient, model_name: str, api_key: str | None = None
     async def health():
         if not client.is_healthy:
             raise APIError(503, "engine is not running", type_="engine_unavailable")
-        return {"status": "ok"}
+        return {"status": "ok", **client.health()}
 
     @app.get("/metrics", dependencies=[] if open_metrics else keyed)
     async def metrics():
