@@ -143,8 +143,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                          "server_engine_threads_cpu_s": round(engine_cpu, 2),
                          "server_other_threads_cpu_s": round(other_cpu, 2),
                          "errors": sorted({r.error for r in records if r.error})[:3]})
+        workers = parked_openmp_workers(server.pid)  # once, after the last level: it waits for idle workers
         for row in rows:
-            row["server_openmp_workers"] = parked_openmp_workers(server.pid)
+            row["server_openmp_workers"] = workers
     finally:
         server.terminate()
         server.wait(timeout=60)

@@ -127,8 +127,7 @@ class AsyncEngine:
         """Abort whatever is still in flight and end the engine thread."""
         self._stopping = True
         self._wakeup.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        self._thread.join(timeout=30)
 
     @property
     def is_healthy(self) -> bool:
@@ -256,8 +255,10 @@ class AsyncEngine:
              failure: list[BaseException]) -> None:
         _name_os_thread(ENGINE_THREAD_NAME)  # before any kernel runs: its OpenMP workers inherit the name
         try:
-            self.engine = engine if isinstance(engine, LLMEngine) else engine()
-            if not isinstance(engine, LLMEngine):
+            if isinstance(engine, LLMEngine):
+                self.engine = engine
+            else:
+                self.engine = engine()
                 self.engine.warm_up()
         except BaseException as e:
             failure.append(e)

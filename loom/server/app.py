@@ -63,14 +63,16 @@ def create_app(client: EngineClient, model_name: str, api_key: str | None = None
     install_error_handlers(app)
     keyed = [Depends(access.check_key)]
 
+    # /health and /metrics are plain functions, on FastAPI's worker threads: a client of replicas asks Serve and
+    # the replicas over the network.
     @app.get("/health")
-    async def health():
+    def health():
         if not client.is_healthy:
             raise APIError(503, "engine is not running", type_="engine_unavailable")
         return {"status": "ok", **client.health()}
 
     @app.get("/metrics", dependencies=[] if open_metrics else keyed)
-    async def metrics():
+    def metrics():
         return Response(client.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=keyed)
