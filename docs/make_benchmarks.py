@@ -30,6 +30,7 @@ RUNS = {
              "--peers hf --hf-requests 16",
     "serve": "loom bench serve --against-offline --concurrency 1,16,64 --num-requests 128 --plot docs/img",
     "demo": "loom demo --plain --plot docs/img",
+    "scale": "loom bench serve --scale-out --num-requests 256 --concurrency 32 --output-len 16,128",
 }
 
 
@@ -149,6 +150,37 @@ def serve_section(meta: dict, lines: list[dict]) -> list[str]:
     return out
 
 
+def scale_section(meta: dict, lines: list[dict]) -> list[str]:
+    out = ["## Scale out on Ray Serve", "",
+           "One `loom serve` against `loom serve --replicas 2` with each router, each started by the command in turn "
+           "with the same engine settings. The tenants workload: 8 tenants, each with its own 500-token system "
+           "prompt, 256 chat requests in random order, 32 in flight; the hit rate is the share of prompt tokens "
+           "the replicas' prefix caches served, from their /metrics. The mixed workload (20-400 prompt tokens) runs "
+           "on the single engine and the first router. Memory: the proportional set size of the server and every "
+           "process under it, Ray's included. Client, server and both replicas share the machine's cores.", "",
+           *header(meta)]
+    rows = [[x["workload"], x["system"], f"{x['output_token_throughput']:.1f}",
+             f"{x['ttft_ms']['median']:.0f} / {x['ttft_ms']['p99']:.0f}",
+             "-" if x["prefix_cache_hit_rate"] is None else f"{100 * x['prefix_cache_hit_rate']:.1f}%",
+             f"{100 * x['hit_rate_of_single']:.1f}%" if "hit_rate_of_single" in x else "-",
+             ", ".join(f"{k} {v}" for k, v in sorted(x["routed_by"].items())) or "-",
+             " / ".join(map(str, x["requests_per_replica"])) or "-", f"{x['startup_s']:.0f}",
+             f"{x['memory_gib']:.2f}"] for x in lines]
+    out += table(["workload", "system", "output tok/s", "TTFT p50 / p99 ms", "prefix-cache hits",
+                  "of one engine's hits", "routed by", "requests per replica", "start-up s", "memory GiB"], rows)
+    mixed = {x["router"]: x for x in lines if x["workload"] == "mixed"}
+    replicas = next((x for router, x in mixed.items() if router), None)
+    if None in mixed and replicas:
+        one = mixed[None]
+        ratio = replicas["output_token_throughput"] / one["output_token_throughput"]
+        out += [f"On the mixed workload the replicas give {ratio:.2f}x the single engine's throughput, in "
+                f"{replicas['memory_gib']:.2f} against {one['memory_gib']:.2f} GiB, up in {replicas['startup_s']:.0f} "
+                f"against {one['startup_s']:.0f} s: on one machine the extra processes "
+                "(Ray's, and a model and KV cache a replica) cost memory and start-up, and each replica's one "
+                "thread runs its steps' matmuls alone.", ""]
+    return out
+
+
 def demo_section(meta: dict, lines: list[dict]) -> list[str]:
     return ["## The article's experiment", "", *header(meta),
             "Six requests on three slots, static against continuous, drawn from the engine's own steps:", "",
@@ -161,7 +193,7 @@ def render() -> str:
            "`python docs/make_benchmarks.py`; rerun it to measure your machine. The bundled SmolLM2-135M-Instruct "
            "(GGUF Q4_1) is the model throughout; `--dtype auto` chose bfloat16 where the table says so.", ""]
     for name, section in (("offline", offline_section), ("peers", peers_section), ("serve", serve_section),
-                          ("demo", demo_section)):
+                          ("scale", scale_section), ("demo", demo_section)):
         loaded = load(name)
         if loaded is not None:
             out += section(*loaded)

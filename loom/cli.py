@@ -123,7 +123,9 @@ def cmd_bench_perf(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    if args.against_offline:
+    if args.scale_out:
+        from loom.bench.scale_out import main as bench_main
+    elif args.against_offline:
         from loom.bench.against_offline import main as bench_main
     else:
         from loom.bench.serve_client import main as bench_main
@@ -267,8 +269,16 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--against-offline", action="store_true",
                     help="run the mixed workload offline, then start `loom serve` (with the engine options below) "
                          "and run it online at each --concurrency (default 1,64); prints the ratios")
+    sv.add_argument("--scale-out", action="store_true",
+                    help="start one `loom serve`, then `loom serve --replicas` with each of --routers, and run a "
+                         "tenants workload (and the mixed one on the first two) through each; hit rates, routing, "
+                         "memory")
+    sv.add_argument("--replicas", type=int, default=2, help="with --scale-out: engine replicas")
+    sv.add_argument("--routers", default="prefix,pow2,round_robin", help="with --scale-out: routers run in turn")
+    sv.add_argument("--tenants", type=int, default=8, help="with --scale-out: tenants with their own system prompt")
+    sv.add_argument("--system-tokens", type=int, default=500, help="with --scale-out: tokens of each system prompt")
     sv.add_argument("--serve-model", default=None,
-                    help="with --against-offline: the model (.gguf or HF directory; default: bundled SmolLM2)")
+                    help="with --against-offline or --scale-out: the model (.gguf or HF directory; default: bundled SmolLM2)")
     sv.add_argument("--single-stream-requests", type=int, default=12,
                     help="with --against-offline: the first requests of the workload, run one at a time")
     add_engine_args(sv, kv_cache_gib=1.0)

@@ -15,7 +15,7 @@ from loom.bench.memory_roofline import read_bandwidth, run_roofline, weight_byte
 from loom.bench.plots import kv_usage, slot_timeline, throughput_vs
 from loom.bench.serve_client import run_benchmark
 from loom.bench.stats import RequestRecord, distribution, summarize
-from loom.bench.workloads import BenchRequest, jsonl_workload
+from loom.bench.workloads import BenchRequest, jsonl_workload, tenants_workload
 from loom.config import CacheConfig, SchedulerConfig
 from loom.engine.trace import StepRecord, StepTracer
 from loom.model.linear import make_matmul
@@ -168,6 +168,19 @@ def test_shared_prefix_workload_shares_its_system_prompt(smollm2):
     prompts = [r.prompt for r in requests]
     common = next(i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1)
     assert 300 <= common < 330 and all(len(p) > common for p in prompts)
+
+
+def test_tenants_workload_gives_each_tenant_its_own_long_prefix(smollm2):
+    requests = tenants_workload(smollm2.tokenizer, tenants=3, system_tokens=200, num_requests=30, seed=1)
+    firsts: dict[tuple[int, ...], list[list[int]]] = {}
+    for request in requests:
+        firsts.setdefault(tuple(request.prompt[:150]), []).append(request.prompt)
+    assert len(firsts) == 3  # three tenants, and no two share their first 150 tokens
+    order = [list(firsts).index(tuple(r.prompt[:150])) for r in requests]
+    assert order != sorted(order)  # interleaved, not one tenant after another
+    for prompts in firsts.values():
+        shared = min(next((i for i, (a, b) in enumerate(zip(p, prompts[0])) if a != b), len(p)) for p in prompts[1:])
+        assert shared >= 200
 
 
 def test_perf_figures_on_a_tiny_model(tiny_llama):

@@ -72,6 +72,17 @@ def replica_metric(base: str, name: str) -> dict[str, float]:
     return values
 
 
+def routed_counts(base: str, by: str = "routed_by") -> dict[str, float]:
+    """The endpoint's routing counters summed by why the router chose the replica, or by replica."""
+    text = httpx.get(base + "/metrics", timeout=10).text
+    counts: dict[str, float] = {}
+    for match in re.finditer(r'^loom_router_requests_total{replica="([^"]+)",routed_by="([a-z]+)"} ([0-9.e+]+)$',
+                             text, re.M):
+        key = match.group(1) if by == "replica" else match.group(2)
+        counts[key] = counts.get(key, 0.0) + float(match.group(3))
+    return counts
+
+
 def test_outputs_equal_one_engine_and_bad_input_never_reaches_a_replica(cluster, smollm2):
     prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -111,17 +122,39 @@ def test_prefix_routing_keeps_each_tenant_on_one_replica(cluster, smollm2, route
     order = [t for t in range(4) for _ in range(8)]
     rng.shuffle(order)
     with endpoint(router) as (base, _):
+        routed_before = routed_counts(base)
         for k, tenant in enumerate(order):
             body = {"prompt": systems[tenant] + tokenizer.encode(f" Question {k}?"), "max_tokens": 2,
                     "temperature": 0}
             assert httpx.post(base + "/v1/completions", json=body, timeout=60).status_code == 200
         time.sleep(2.5)
         hits = sum(replica_metric(base, "loom_prefix_cache_hits").values())
+        routed = {reason: n - routed_before.get(reason, 0.0) for reason, n in routed_counts(base).items()}
     shared = 300 // 16 * 16  # the tokens of a system prompt's full blocks
     if router == "prefix":  # every request after a tenant's first finds its whole system prompt cached
         assert hits == 4 * 7 * shared
+        assert routed == {"load": 4, "prefix": 28}  # a tenant's first request goes to the least loaded
     else:  # each tenant's first request on each replica misses
         assert hits < 4 * 7 * shared
+        assert routed == {"turn": 32}
+
+
+def test_round_robin_alternates_requests_that_arrive_together(cluster):
+    with endpoint("round_robin") as (base, _):
+        before = routed_counts(base, by="replica")
+
+        def complete(k: int) -> None:
+            body = {"prompt": f"Request {k}", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            assert httpx.post(base + "/v1/completions", json=body, timeout=60).status_code == 200
+
+        threads = [threading.Thread(target=complete, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        after = routed_counts(base, by="replica")
+    sent = [n - before.get(replica, 0.0) for replica, n in after.items()]  # an earlier app's replicas stay listed
+    assert sorted(n for n in sent if n) == [4, 4]
 
 
 def test_a_disconnect_frees_the_requests_blocks_on_its_replica(cluster):

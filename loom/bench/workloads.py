@@ -68,6 +68,33 @@ def shared_prefix_workload(
     return requests
 
 
+def tenants_workload(
+    tokenizer: Tokenizer,
+    tenants: int = 8,
+    system_tokens: int = 500,
+    num_requests: int = 256,
+    output_len: tuple[int, int] = (16, 64),
+    seed: int = 0,
+) -> list[BenchRequest]:
+    """Chat requests from `tenants` tenants, each with its own `system_tokens`-token system prompt, in seeded random
+    order: the traffic a prefix-aware router is for. Prompts are token ids, rendered with the chat template."""
+    rng = random.Random(seed)
+    text_ids = tokenizer.encode(" ".join(p for p, _ in ARTICLE_REQUESTS) * 40)
+    systems = []
+    for tenant in range(tenants):
+        start = rng.randrange(0, len(text_ids) - system_tokens)
+        systems.append(f"You answer for tenant {tenant}. " + tokenizer.decode(text_ids[start:start + system_tokens]))
+    subjects = [p for p, _ in ARTICLE_REQUESTS]
+    requests = []
+    for i in range(num_requests):
+        messages = [{"role": "system", "content": systems[rng.randrange(tenants)]},
+                    {"role": "user", "content": f"Question {i}: {rng.choice(subjects)}"}]
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+                               add_special_tokens=False)
+        requests.append(BenchRequest(ids, rng.randint(*output_len)))
+    return requests
+
+
 def jsonl_workload(path: Path) -> list[BenchRequest]:
     """One `{"prompt": ..., "max_tokens": ...}` object per line."""
     requests = []

@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import ray
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.exceptions import RayActorError, RayError
@@ -129,10 +129,15 @@ class RayEngineClient:
         return EngineStats(*(int(totals.get(name, 0)) for name in _STATS_GAUGES))
 
     def metrics_text(self) -> bytes:
-        texts = ray.get(self.board.collect.remote())
+        texts, routing = ray.get([self.board.collect.remote(), self.board.routing_counts.remote(self.app_name)])
         ready = GaugeMetricFamily("loom_replicas_ready", "Engine replicas Serve reports running")
         ready.add_metric([], self.ready_replicas)
-        return merged_metrics_text(texts, [ready])
+        routed = CounterMetricFamily("loom_router_requests", "Requests the router sent to each replica, by why: "
+                                     "prefix (it holds the prompt's prefix), load (least loaded), turn (round robin)",
+                                     labels=["replica", "routed_by"])
+        for (replica, reason), count in sorted(routing.items()):
+            routed.add_metric([replica, reason], count)
+        return merged_metrics_text(texts, [ready, routed])
 
     def stop(self) -> None:
         """The endpoint's shutdown takes its replicas down with it."""

@@ -18,6 +18,16 @@ class MetricsBoard:
     def __init__(self, max_age_s: float = 5.0) -> None:
         self.max_age_s = max_age_s
         self.texts: dict[str, tuple[float, bytes]] = {}
+        self.routing: dict[tuple[str, str, str], int] = {}
+
+    def routed(self, app: str, replica: str, reason: str) -> None:
+        """A router sent one request of `app` to `replica` for `reason` (prefix, load, turn)."""
+        key = (app, replica, reason)
+        self.routing[key] = self.routing.get(key, 0) + 1
+
+    def routing_counts(self, app: str) -> dict[tuple[str, str], int]:
+        """Requests of `app` routed so far, by replica and reason (replicas since gone included)."""
+        return {(replica, reason): n for (a, replica, reason), n in self.routing.items() if a == app}
 
     def post(self, replica: str, text: bytes) -> None:
         self.texts[replica] = (time.monotonic(), text)
