@@ -14,7 +14,7 @@ from pathlib import Path
 
 from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
@@ -68,6 +68,43 @@ class Tokenizer:
             if kind in (_GGUF_CONTROL, _GGUF_USER_DEFINED)
         ]
         backend.add_special_tokens(special)
+        return cls(backend, bos_token_id, eos_token_ids, add_bos, chat_template)
+
+    @classmethod
+    def from_gguf_sentencepiece(
+        cls,
+        tokens: list[str],
+        token_types: list[int],
+        unk_token_id: int | None,
+        bos_token_id: int | None,
+        eos_token_ids: list[int],
+        add_bos: bool,
+        chat_template: str | None,
+    ) -> "Tokenizer":
+        """Gemma's sentencepiece BPE from a GGUF vocabulary, which lists no merges: spaces written as "▁", byte
+        fallback for what the vocabulary lacks, no prefix space. The merges are rebuilt from the vocabulary: a
+        token that two others concatenate to is a merge of them, ranked by the token's place in the file (Gemma's
+        order of merges; its scores do not follow it), a longer left piece first. A token of spaces only is stored
+        with real spaces and is respelled in "▁"."""
+        spelled = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        vocab = {t: i for i, t in enumerate(spelled)}
+        merges = []
+        for token in spelled:
+            rank = vocab[token]
+            for cut in range(len(token) - 1, 0, -1):
+                left, right = token[:cut], token[cut:]
+                if left in vocab and right in vocab:
+                    merges.append((rank, left, right))
+        merges.sort(key=lambda m: m[0])
+        unk = spelled[unk_token_id] if unk_token_id is not None else None
+        backend = HFTokenizer(models.BPE(vocab, [(left, right) for _, left, right in merges], unk_token=unk,
+                                         fuse_unk=True, byte_fallback=True))
+        backend.normalizer = normalizers.Replace(" ", "▁")
+        backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t, kind in zip(spelled, token_types) if kind == _GGUF_CONTROL])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                            for t, kind in zip(spelled, token_types) if kind == _GGUF_USER_DEFINED])
         return cls(backend, bos_token_id, eos_token_ids, add_bos, chat_template)
 
     @classmethod

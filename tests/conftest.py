@@ -52,7 +52,7 @@ def _save_tiny(kind: str, path: Path) -> Path:
     """A seeded random HF model of the given family, saved as safetensors + config + tokenizer."""
     import transformers
 
-    torch.manual_seed({"llama": 1, "qwen2": 2, "gpt2": 3}[kind])
+    torch.manual_seed({"llama": 1, "qwen2": 2, "gpt2": 3, "gemma3": 4}[kind])
     common = dict(vocab_size=TINY_VOCAB, eos_token_id=0, bos_token_id=0)
     if kind == "llama":  # GQA, tied embeddings
         cfg = transformers.LlamaConfig(
@@ -72,6 +72,20 @@ def _save_tiny(kind: str, path: Path) -> Path:
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    elif kind == "gemma3":  # local layers on a window shorter than most test prompts, q/k norms, GeGLU, tied head
+        cfg = transformers.Gemma3TextConfig(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=512, sliding_window=6, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"], initializer_range=0.2,
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 50000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}},
+            pad_token_id=0, **common,
+        )
+        model = transformers.Gemma3ForCausalLM(cfg)
+        with torch.no_grad():  # HF initialises the norms to zero, (1 + 0) = 1; make them matter
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0, 0.3)
     else:
         cfg = transformers.GPT2Config(
             n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.2, **common,
@@ -92,7 +106,7 @@ def settled_vml_dispatch() -> None:
     settle_vml_dispatch()
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen2", "gpt2"])
+@pytest.fixture(scope="session", params=["llama", "qwen2", "gpt2", "gemma3"])
 def tiny_model_dir(request, tmp_path_factory) -> Path:
     return _save_tiny(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
 

@@ -65,3 +65,11 @@ class BatchMetadata:
             return None
         key_pos = torch.arange(self.decode_max_blocks * self.block_size, device=self.context_lens.device)
         return (key_pos[None, :] < self.context_lens[: self.num_decodes, None]).view(self.num_decodes, 1, 1, -1)
+
+    def windowed_decode_mask(self, window: int) -> torch.Tensor | None:
+        """decode_mask with each row's keys limited to the last `window` (its own token's included)."""
+        if not self.num_decodes:
+            return None
+        key_pos = torch.arange(self.decode_max_blocks * self.block_size, device=self.context_lens.device)
+        lens = self.context_lens[: self.num_decodes, None]
+        return ((key_pos[None, :] < lens) & (key_pos[None, :] >= lens - window)).view(self.num_decodes, 1, 1, -1)

