@@ -52,7 +52,7 @@ def _save_tiny(kind: str, path: Path) -> Path:
     """A seeded random HF model of the given family, saved as safetensors + config + tokenizer."""
     import transformers
 
-    torch.manual_seed({"llama": 1, "qwen2": 2, "gpt2": 3, "gemma3": 4}[kind])
+    torch.manual_seed({"llama": 1, "qwen2": 2, "gpt2": 3, "gemma3": 4, "qwen3": 5, "llama3": 6}[kind])
     common = dict(vocab_size=TINY_VOCAB, eos_token_id=0, bos_token_id=0)
     if kind == "llama":  # GQA, tied embeddings
         cfg = transformers.LlamaConfig(
@@ -72,6 +72,25 @@ def _save_tiny(kind: str, path: Path) -> Path:
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    elif kind == "qwen3":  # q/k head norms before RoPE, no bias, a head_dim of its own
+        cfg = transformers.Qwen3Config(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=24, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2, **common,
+        )
+        model = transformers.Qwen3ForCausalLM(cfg)
+        with torch.no_grad():  # HF initialises the norms to one; make them matter
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(1.0, 0.3)
+    elif kind == "llama3":  # Llama 3.1's RoPE scaling, its band placed inside the tiny model's frequencies
+        cfg = transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.2,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            **common,
+        )
+        model = transformers.LlamaForCausalLM(cfg)
     elif kind == "gemma3":  # local layers on a window shorter than most test prompts, q/k norms, GeGLU, tied head
         cfg = transformers.Gemma3TextConfig(
             hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -106,7 +125,7 @@ def settled_vml_dispatch() -> None:
     settle_vml_dispatch()
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen2", "gpt2", "gemma3"])
+@pytest.fixture(scope="session", params=["llama", "qwen2", "gpt2", "gemma3", "qwen3", "llama3"])
 def tiny_model_dir(request, tmp_path_factory) -> Path:
     return _save_tiny(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
 

@@ -20,15 +20,16 @@ class ModelConfig:
     max_position_embeddings: int
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # rope parameters beyond theta (rope.py): linear, llama3; a Gemma's global layers'
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm on each q and k head before RoPE
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     # Gemma 3: local (sliding-window) layers with their own RoPE base, and the attention scale's divisor.
     sliding_window: int | None = None
     sliding_layers: list[bool] = field(default_factory=list)  # per layer: attends within sliding_window only
     rope_local_theta: float | None = None
-    rope_scaling_factor: float = 1.0  # linear RoPE scaling of the global layers
     query_pre_attn_scalar: float | None = None
 
     def __post_init__(self) -> None:

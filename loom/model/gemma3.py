@@ -20,21 +20,12 @@ from loom.model.config import ModelConfig
 from loom.model.layer_ops import rotate_half
 from loom.model.linear import Linear, MatmulBackend
 from loom.model.quantized import QuantizedWeight, concat_rows
+from loom.model.rope import rope_table
 
 
 def gemma_rms_norm(x: torch.Tensor, one_plus_weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm, in float32 and scaled by (1 + weight) before the cast back (Llama casts first)."""
     return (F.rms_norm(x.float(), one_plus_weight.shape, None, eps) * one_plus_weight).to(x.dtype)
-
-
-def rope_table(theta: float, head_dim: int, positions: int, factor: float,
-               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [positions, head_dim] as transformers computes them (float32, then cast); `factor`: linear
-    scaling, positions divided by it."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)) / factor
-    freqs = torch.arange(positions).float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 @dataclass
@@ -93,9 +84,8 @@ class Gemma3Model:
                 window=config.sliding_window if config.sliding_layers[i] else None,
             ))
         positions = config.max_position_embeddings
-        self.global_rope = rope_table(config.rope_theta, config.head_dim, positions, config.rope_scaling_factor, dtype)
-        self.local_rope = rope_table(config.rope_local_theta or config.rope_theta, config.head_dim, positions, 1.0,
-                                     dtype)
+        self.global_rope = rope_table(config.rope_theta, config.head_dim, positions, dtype, config.rope_scaling)
+        self.local_rope = rope_table(config.rope_local_theta or config.rope_theta, config.head_dim, positions, dtype)
         self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
 
     def forward(self, meta: BatchMetadata, kv_caches: list[KVCache], attention: AttentionBackend) -> torch.Tensor:

@@ -58,6 +58,8 @@ class LayerLoop:
         loop's own module builds here; else None (the forward loops in Python)."""
         if not isinstance(ops, FusedLayerOps):
             return None
+        if any(layer.q_norm is not None for layer in layers):  # the loop has no q/k head norms
+            return None
         matmuls = []
         for layer in layers:
             qkv, o, down = operands(layer.qkv), operands(layer.o), operands(layer.down)

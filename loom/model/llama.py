@@ -1,4 +1,5 @@
-"""Llama-family forward over a packed row: RMSNorm, RoPE, GQA, SwiGLU; tied or untied head; optional qkv bias (Qwen2).
+"""Llama-family forward over a packed row: RMSNorm, RoPE, GQA, SwiGLU; tied or untied head; optional qkv bias (Qwen2)
+and q/k head norms (Qwen3).
 
 Weights arrive under Hugging Face names (and, from a GGUF file, those it stores quantized once more as its blocks);
 q/k/v and gate/up are fused at construction so each layer runs four matmuls, each a `Linear` from the matmul
@@ -16,10 +17,11 @@ from loom.model.attention import AttentionBackend, KVCache
 from loom.model.batch_metadata import BatchMetadata
 from loom.model.config import ModelConfig
 from loom.model.layer_loop import LayerLoop
-from loom.model.layer_ops import TorchLayerOps
+from loom.model.layer_ops import TorchLayerOps, rms_norm
 from loom.model.linear import Linear, MatmulBackend, SiluMulAfter, SiluMulLinear
 from loom.model.llama_layer import LlamaLayer
 from loom.model.quantized import QuantizedWeight, concat_rows
+from loom.model.rope import rope_table
 
 # A step's MLP runs in chunks of this many rows a thread, so a chunk's gate/up product (256 x 2I: 1.5 MiB for
 # SmolLM2) is still in L2 when SiLU x up and then down read it. Chunks change no bit: Loom's matmuls give a row the
@@ -76,18 +78,15 @@ class LlamaModel:
                     post_norm=w(p + "post_attention_layernorm.weight"),
                     gate_up=silu_mul_linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                     down=linear(p + "mlp.down_proj.weight"),
+                    q_norm=w(p + "self_attn.q_norm.weight") if config.qk_norm else None,
+                    k_norm=w(p + "self_attn.k_norm.weight") if config.qk_norm else None,
                 )
             )
         self.mlp_chunk_rows_per_thread = (MLP_CHUNK_ROWS_PER_THREAD if any(
             isinstance(layer.gate_up, SiluMulAfter) for layer in self.layers) else AMX_MLP_CHUNK_ROWS_PER_THREAD)
         self.layer_loop = LayerLoop.for_layers(self.layers, config, ops)
-        # RoPE table for every position, computed as transformers does (fp32 inv_freq x position).
-        d = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-        freqs = torch.arange(config.max_position_embeddings).float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.rope_cos = emb.cos().to(dtype)
-        self.rope_sin = emb.sin().to(dtype)
+        self.rope_cos, self.rope_sin = rope_table(config.rope_theta, config.head_dim, config.max_position_embeddings,
+                                                  dtype, config.rope_scaling)
 
     def forward(self, meta: BatchMetadata, kv_caches: list[KVCache], attention: AttentionBackend) -> torch.Tensor:
         """Hidden states [T, hidden] after the last layer (final norm not yet applied)."""
@@ -107,7 +106,10 @@ class LlamaModel:
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             # q and k heads side by side, rotated together; then q, k, v as views (split_with_sizes: Tensor.split's
             # Python wrapper cost 12 us more a layer in a decode step).
-            qkv = ops.rotate_qk(layer.qkv(x), cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            qkv = layer.qkv(x)
+            if layer.q_norm is not None:
+                qkv = self.norm_qk(qkv, layer)
+            qkv = ops.rotate_qk(qkv, cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
             q, k, v = qkv.view(num_tokens, -1, cfg.head_dim).split_with_sizes(heads, dim=1)
             attn = attention(q, k, v, kv_cache, meta, scale)
             hidden, x = ops.add_rms_norm(hidden, layer.o(attn), layer.post_norm, cfg.norm_eps)
@@ -117,6 +119,14 @@ class LlamaModel:
             else:
                 hidden = hidden + delta
         return hidden
+
+    def norm_qk(self, qkv: torch.Tensor, layer: LlamaLayer) -> torch.Tensor:
+        """qkv [T, W] with each q and k head RMS-normed over head_dim (Qwen3), v as it was: a new tensor."""
+        cfg = self.config
+        q, k, v = qkv.view(qkv.shape[0], -1, cfg.head_dim).split_with_sizes(
+            [cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
+        q, k = rms_norm(q, layer.q_norm, cfg.norm_eps), rms_norm(k, layer.k_norm, cfg.norm_eps)
+        return torch.cat((q, k, v), dim=1).flatten(1)
 
     def mlp_chunk_rows(self) -> int:
         """Rows of one MLP chunk: mlp_chunk_rows_per_thread on each of torch's threads."""

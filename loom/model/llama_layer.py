@@ -17,3 +17,5 @@ class LlamaLayer:
     post_norm: torch.Tensor
     gate_up: SiluMulLinear  # hidden -> intermediate: SiLU(gate) * up
     down: Linear
+    q_norm: torch.Tensor | None = None  # Qwen3's RMSNorm weights of each q and k head, before RoPE
+    k_norm: torch.Tensor | None = None

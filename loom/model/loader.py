@@ -26,10 +26,11 @@ from loom.model.layer_ops import TorchLayerOps
 from loom.model.linear import MatmulBackend
 from loom.model.packaged import DEFAULT_MODEL, PACKAGED_MODELS, packaged_model_path
 from loom.model.quantized import BLOCK_BYTES, QuantizedWeight
+from loom.model.rope import ROPE_TYPES
 from loom.model.vml_dispatch import settle_vml_dispatch
 from loom.tokenizer import Tokenizer
 
-_CACHE_FORMAT = 3
+_CACHE_FORMAT = 4
 _QUANTIZED_TAG = "#"  # a cached tensor "name#q4_1" holds weight `name` in its GGUF blocks
 
 
@@ -101,32 +102,33 @@ def load_model(path: str | os.PathLike | None = None, cache_dir: str | os.PathLi
 
 # --- Hugging Face directories -------------------------------------------------------------------------------
 
-_LLAMA_TYPES = {"llama": False, "mistral": False, "qwen2": True}  # model_type -> q/k/v carry a bias
+# model_type -> (q/k/v carry a bias, q/k heads normed)
+_LLAMA_TYPES = {"llama": (False, False), "mistral": (False, False), "qwen2": (True, False), "qwen3": (False, True)}
 
 
-def _rope_theta(cfg: dict) -> float:
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+def _rope(rope: dict, default_theta: float) -> tuple[float, dict | None]:
+    """(theta, the scaling's parameters or None) from a config's `rope_parameters` or `rope_scaling`."""
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ValueError(f"rope scaling type {kind!r} is not supported")
-    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope scaling type {kind!r} is not supported ({', '.join(ROPE_TYPES)})")
+    theta = float(rope.get("rope_theta", default_theta))
+    return theta, None if kind == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
 
 
-def _gemma3_rope(cfg: dict) -> tuple[float, float, float]:
-    """(global theta, local theta, global linear scaling factor) from either spelling of a Gemma 3 config:
-    `rope_parameters` per layer type, or `rope_theta` / `rope_local_base_freq` / `rope_scaling`."""
+def _llama_rope(cfg: dict) -> tuple[float, dict | None]:
+    return _rope(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}, cfg.get("rope_theta", 10000.0))
+
+
+def _gemma3_rope(cfg: dict) -> tuple[float, dict | None, float]:
+    """(global theta, its scaling, local theta) from either spelling of a Gemma 3 config: `rope_parameters` per
+    layer type, or `rope_theta` / `rope_scaling` / `rope_local_base_freq`."""
     params = cfg.get("rope_parameters") or {}
-    full = params.get("full_attention") or dict(cfg.get("rope_scaling") or {})
-    local = params.get("sliding_attention") or {}
-    for kind in (full.get("rope_type", full.get("type", "default")), local.get("rope_type", "default")):
-        if kind not in ("default", "linear"):
-            raise ValueError(f"rope scaling type {kind!r} is not supported for Gemma 3 (default, linear)")
-    if local.get("rope_type", "default") != "default":
+    theta, scaling = _rope(params.get("full_attention") or dict(cfg.get("rope_scaling") or {}),
+                           cfg.get("rope_theta", 1_000_000.0))
+    local_theta, local_scaling = _rope(params.get("sliding_attention") or {}, cfg.get("rope_local_base_freq", 10_000.0))
+    if local_scaling is not None:
         raise ValueError("scaled RoPE on Gemma 3's local layers is not supported")
-    theta = float(full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)))
-    local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0)))
-    factor = float(full.get("factor", 1.0)) if full.get("rope_type", full.get("type")) == "linear" else 1.0
-    return theta, local_theta, factor
+    return theta, scaling, local_theta
 
 
 def _gemma3_sliding_layers(cfg: dict, layers: int) -> list[bool]:
@@ -150,6 +152,10 @@ def _hf_config(cfg: dict, weight_names: set[str], eos: list[int]) -> ModelConfig
     model_type = cfg.get("model_type")
     if model_type in _LLAMA_TYPES:
         heads = cfg["num_attention_heads"]
+        bias, qk_norm = _LLAMA_TYPES[model_type]
+        theta, scaling = _llama_rope(cfg)
+        if model_type == "qwen3" and cfg.get("use_sliding_window"):
+            raise ValueError("Qwen3 with use_sliding_window is not supported")
         return ModelConfig(
             arch="llama",
             vocab_size=cfg["vocab_size"],
@@ -161,15 +167,17 @@ def _hf_config(cfg: dict, weight_names: set[str], eos: list[int]) -> ModelConfig
             intermediate_size=cfg["intermediate_size"],
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(cfg),
+            rope_theta=theta,
+            rope_scaling=scaling,
             tie_word_embeddings="lm_head.weight" not in weight_names,
-            attention_bias=cfg.get("attention_bias", _LLAMA_TYPES[model_type]),
+            attention_bias=cfg.get("attention_bias", bias),
+            qk_norm=qk_norm,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
         )
     if model_type == "gemma3_text":
         heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
-        theta, local_theta, factor = _gemma3_rope(cfg)
+        theta, scaling, local_theta = _gemma3_rope(cfg)
         for name in ("final_logit_softcapping", "attn_logit_softcapping"):
             if cfg.get(name) is not None:
                 raise ValueError(f"Gemma 3 with {name} is not supported")
@@ -190,8 +198,8 @@ def _hf_config(cfg: dict, weight_names: set[str], eos: list[int]) -> ModelConfig
             eos_token_ids=eos,
             sliding_window=cfg.get("sliding_window"),
             sliding_layers=_gemma3_sliding_layers(cfg, layers),
+            rope_scaling=scaling,
             rope_local_theta=local_theta,
-            rope_scaling_factor=factor,
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
         )
     if model_type == "gpt2":
@@ -210,7 +218,7 @@ def _hf_config(cfg: dict, weight_names: set[str], eos: list[int]) -> ModelConfig
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
         )
-    raise ValueError(f"model_type {model_type!r} is not supported (llama, mistral, qwen2, gemma3_text, gpt2)")
+    raise ValueError(f"model_type {model_type!r} is not supported (llama, mistral, qwen2, qwen3, gemma3_text, gpt2)")
 
 
 def _float32_in_memory(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -342,7 +350,7 @@ def _read_gguf(path: Path) -> LoadedModel:
                  "sliding_layers": [bool((i + 1) % 6) for i in range(num_layers)], "rope_local_theta": 10_000.0,
                  "query_pre_attn_scalar": float(metadata("gemma3.attention.key_length", hidden // heads))}
         if metadata("gemma3.rope.scaling.type", "none") == "linear":
-            gemma["rope_scaling_factor"] = float(metadata("gemma3.rope.scaling.factor"))
+            gemma["rope_scaling"] = {"rope_type": "linear", "factor": float(metadata("gemma3.rope.scaling.factor"))}
     config = ModelConfig(
         arch="gemma3" if arch == "gemma3" else "llama",
         vocab_size=len(tokens),
