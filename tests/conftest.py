@@ -30,7 +30,7 @@ CORPUS = [
     "Continuous batching keeps every slot busy: finished requests leave and waiting ones join at once.",
 ]
 TINY_VOCAB = 320
-GGML_TYPES = {name: GGMLQuantizationType[name.upper()] for name in ("q4_0", "q4_1", "q8_0")}
+GGML_TYPES = {name: GGMLQuantizationType[name.upper()] for name in ("q4_0", "q4_1", "q5_0", "q8_0")}
 
 
 def _train_tokenizer(path: Path) -> None:

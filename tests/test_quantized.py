@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import GGML_TYPES, random_quantized
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 
 from loom import LLM, SamplingParams
 from loom.config import EngineConfig
 from loom.model.linear import QuantizedLinear, make_matmul, pack_panels, pad_to_panels
-from loom.model.quantized import QuantizedWeight, concat_rows
+from loom.model.quantized import QuantizedWeight, concat_rows, q8_0_from_q5_0
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +55,20 @@ def test_quantized_rows_do_not_depend_on_the_batch(kernels, fmt):
     whole = linear(x)  # 70 rows: through the float32 panel
     for start, size in [(0, 1), (5, 3), (20, 16), (50, 20)]:  # in registers, then the panel again
         assert torch.equal(linear(x[start:start + size]), whole[start:start + size])
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 300.0])
+def test_q5_0_rewritten_as_q8_0_holds_the_same_weights(scale):
+    from gguf import GGMLQuantizationType
+
+    w = (np.random.default_rng(5).standard_normal((7, 96)) * scale).astype(np.float32)
+    w[0, :32] = 0.0  # a block of zeros
+    blocks = quantize(w, GGMLQuantizationType.Q5_0)
+    rewritten = q8_0_from_q5_0(blocks)
+    assert rewritten.shape == (7, 3 * 34)
+    want = np.asarray(dequantize(blocks, GGMLQuantizationType.Q5_0), dtype=np.float32)
+    got = np.asarray(dequantize(rewritten, GGMLQuantizationType.Q8_0), dtype=np.float32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # bit for bit, signed zeros included
 
 
 def test_quantized_linear_rejects_a_wrong_shape_or_format(kernels):

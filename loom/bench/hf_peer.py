@@ -11,13 +11,11 @@ from loom.bench.workloads import BenchRequest
 
 def load_hf_model(model_path: str | None, dtype: torch.dtype = torch.float32):
     """The same weights through transformers' own loader (GGUF or HF directory), in `dtype`."""
-    from pathlib import Path
-
     import transformers
 
-    from loom.model.loader import default_model_path
+    from loom.model.loader import model_path as resolve
 
-    path = Path(model_path) if model_path else default_model_path()
+    path = resolve(model_path)
     kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
     folder = path.parent if path.suffix == ".gguf" else path
     return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **kwargs).eval()

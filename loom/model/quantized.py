@@ -5,6 +5,10 @@ offset m): Q4_0 stores 4-bit codes q (w = d (q - 8), 18 bytes a block), Q4_1 too
 signed bytes (w = d q, 34 bytes). The kernel (csrc/quantized_linear.cpp) wants panels of 16 output rows with each
 block's 16 scales, 16 offsets and codes side by side; `pack_records` builds that layout once, at model load. Q4_0
 runs as Q4_1 with m = -8 d: d q and 8 d are exact in float32, so fma(q, d, -8 d) is exactly gguf's d (q - 8).
+
+Q5_0 (5-bit codes, w = d (q - 16), 22 bytes a block) is rewritten as Q8_0 at load (`q8_0_from_q5_0`): the same d,
+codes q - 16, the same weights to the bit, 8.5 bits a weight in memory instead of 5.5; it then fuses with Q8_0
+neighbours (a Q4_K_M file's q/k in Q5_0 beside v in Q8_0).
 """
 
 from __future__ import annotations
@@ -49,6 +53,19 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
     if len(formats) != 1:
         return None
     return QuantizedWeight(formats.pop(), torch.cat([w.blocks for w in weights]))
+
+
+def q8_0_from_q5_0(blocks: np.ndarray) -> np.ndarray:
+    """uint8 [rows, n * 22] Q5_0 blocks -> [rows, n * 34] Q8_0 blocks of the same weights. A Q5_0 block: d (float16),
+    the fifth bits of its 32 codes in a little-endian 32-bit word, then 16 bytes of low nibbles (weight j in byte j %
+    16, low nibble for j < 16, high for the rest)."""
+    rows = blocks.shape[0]
+    raw = blocks.reshape(rows, -1, 22)
+    fifth = (np.ascontiguousarray(raw[..., 2:6]).view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
+    packed = raw[..., 6:22]
+    low = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int16)
+    codes = (low + (fifth.astype(np.int16) << 4) - 16).astype(np.int8).view(np.uint8)
+    return np.ascontiguousarray(np.concatenate([raw[..., 0:2], codes], axis=-1).reshape(rows, -1))
 
 
 def pack_records(weight: QuantizedWeight, step_pairs: bool = False) -> torch.Tensor:
