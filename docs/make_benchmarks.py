@@ -30,6 +30,8 @@ RUNS = {
              "--peers hf --hf-requests 16",
     "serve": "loom bench serve --against-offline --concurrency 1,16,64 --num-requests 128 --plot docs/img",
     "demo": "loom demo --plain --plot docs/img",
+    "gemma": "loom bench offline --model gemma-3-270m --workload mixed --num-requests 64 --dtypes bfloat16 "
+             "--policies continuous --peers hf --hf-requests 16",
     "scale": "loom bench serve --scale-out --num-requests 256 --concurrency 32 --output-len 16,128",
 }
 
@@ -120,6 +122,17 @@ def peers_section(meta: dict, lines: list[dict]) -> list[str]:
     return out + table(["dtype", "system", "output tok/s", "Loom over this", "identical outputs"], rows)
 
 
+def gemma_section(meta: dict, lines: list[dict]) -> list[str]:
+    out = ["## Gemma 3 270M against transformers", "",
+           "The mixed workload on Gemma 3 270M (GGUF Q4_K_M: q, k, v, gate, up and the LM head run in Q8_0 blocks, "
+           "o and half the down projections in Q4_K blocks, the Q6_K down projections dequantized), bfloat16. transformers runs the first 16 requests with `generate` (one padded "
+           "batch) and `generate_batch`, on the same file in the same process.", "", *header(meta)]
+    rows = [[x["system"], x["requests"], x.get("output_tokens_per_s", x.get("error", "-")),
+             x.get("loom_continuous_over_this", "-"), x.get("identical_outputs_to_loom", "-")]
+            for x in lines if "system" in x]
+    return out + table(["system", "requests", "output tok/s", "Loom over this", "identical outputs"], rows)
+
+
 def serve_section(meta: dict, lines: list[dict]) -> list[str]:
     out = ["## The server against the engine", "",
            "The mixed workload offline (`LLMEngine` in the benchmark's process), then through a `loom serve` the "
@@ -192,7 +205,8 @@ def render() -> str:
            "Every figure on this page comes from the JSON of the command above it (docs/data/), written by "
            "`python docs/make_benchmarks.py`; rerun it to measure your machine. The bundled SmolLM2-135M-Instruct "
            "(GGUF Q4_1) is the model throughout; `--dtype auto` chose bfloat16 where the table says so.", ""]
-    for name, section in (("offline", offline_section), ("peers", peers_section), ("serve", serve_section),
+    for name, section in (("offline", offline_section), ("peers", peers_section), ("gemma", gemma_section),
+                          ("serve", serve_section),
                           ("scale", scale_section), ("demo", demo_section)):
         loaded = load(name)
         if loaded is not None:

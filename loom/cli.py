@@ -159,14 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the article's static vs continuous experiment on the bundled model")
     d.add_argument("--plain", action="store_true", help="no colour (for logs); also automatic when not a terminal")
     d.add_argument("--plot", metavar="DIR", default=None, help="write the static vs continuous timeline PNG here")
-    d.add_argument("--model", default=None)
+    d.add_argument("--model", default=None, help="a .gguf file, an HF model directory, or a packaged model's name")
     d.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 where the CPU has AMX-BF16 or AVX512-BF16, else float32")
     d.add_argument("--threads", type=int, default=None)
     d.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: bundled SmolLM2 on 127.0.0.1:8000)")
-    s.add_argument("model", nargs="?", default=None, help="a .gguf file or HF model directory")
+    s.add_argument("model", nargs="?", default=None,
+                   help="a .gguf file, an HF model directory, or a packaged model: smollm2-135m (default), gemma-3-270m")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (beyond loopback, set --api-key)")
     s.add_argument("--port", type=int, default=8000, help="port to bind")
     add_engine_args(s, kv_cache_gib=1.0)

@@ -248,8 +248,23 @@ def drive(engine: LLMEngine, workload, arrivals: list[int], check_steps: bool = 
     return done
 
 
+def random_q4_k_blocks(out_features: int, in_features: int, seed: int) -> np.ndarray:
+    """Random Q4_K super-blocks (gguf cannot quantize to Q4_K): float16 d and dmin of varied size, every 6-bit scale
+    and min and every code drawn at random."""
+    rng = np.random.default_rng(seed)
+    n = out_features * in_features // 256
+    blocks = rng.integers(0, 256, size=(n, 144), dtype=np.uint8)
+    blocks[:, 0:2] = (rng.uniform(1e-4, 0.05, n) * rng.choice([1, 30], n)).astype(np.float16).view(np.uint8).reshape(n, 2)
+    blocks[:, 2:4] = rng.uniform(0, 0.02, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return blocks.reshape(out_features, -1)
+
+
 def random_quantized(fmt: str, out_features: int, in_features: int, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
-    """A random weight quantized by gguf's own code, and what gguf dequantizes it to."""
+    """A random weight quantized by gguf's own code (Q4_K: random blocks), and what gguf dequantizes it to."""
+    if fmt == "q4_k":
+        blocks = random_q4_k_blocks(out_features, in_features, seed)
+        dense = np.asarray(dequantize(blocks, GGMLQuantizationType.Q4_K), dtype=np.float32)
+        return QuantizedWeight(fmt, torch.from_numpy(blocks)), torch.from_numpy(dense.reshape(out_features, -1))
     w = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32)
     blocks = quantize(w, GGML_TYPES[fmt])
     dense = torch.from_numpy(np.asarray(dequantize(blocks, GGML_TYPES[fmt]), dtype=np.float32))

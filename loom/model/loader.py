@@ -31,7 +31,7 @@ from loom.model.rope import ROPE_TYPES
 from loom.model.vml_dispatch import settle_vml_dispatch
 from loom.tokenizer import Tokenizer
 
-_CACHE_FORMAT = 5
+_CACHE_FORMAT = 6
 _QUANTIZED_TAG = "#"  # a cached tensor "name#q4_1" holds weight `name` in its GGUF blocks
 
 

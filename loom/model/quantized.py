@@ -9,6 +9,11 @@ runs as Q4_1 with m = -8 d: d q and 8 d are exact in float32, so fma(q, d, -8 d)
 Q5_0 (5-bit codes, w = d (q - 16), 22 bytes a block) is rewritten as Q8_0 at load (`q8_0_from_q5_0`): the same d,
 codes q - 16, the same weights to the bit, 8.5 bits a weight in memory instead of 5.5; it then fuses with Q8_0
 neighbours (a Q4_K_M file's q/k in Q5_0 beside v in Q8_0).
+
+Q4_K groups 8 blocks of 32 in a super-block of 256 (144 bytes): float16 d and dmin, each block's 6-bit scale sc and
+min m, 4-bit codes q; w = (d sc) q - dmin m. Its kernel records are Q4_1's with float32 scales (`q4_1f`): d sc and
+-dmin m are exact in float32 (11-bit times 6-bit significands), so fma(q, d sc, -dmin m) is gguf's value to the bit;
+6 bits a weight in memory instead of 4.5.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import numpy as np
 import torch
 
 BLOCK = 32  # weights per GGUF block, along in_features
-BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}  # one block as GGUF stores it
-KERNEL_FORMAT = {"q4_0": "q4_1", "q4_1": "q4_1", "q8_0": "q8_0"}  # the kernel's record layout for each format
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q4_k": 144}  # one block (Q4_K: one super-block) as GGUF stores it
+BLOCK_WEIGHTS = {"q4_0": BLOCK, "q4_1": BLOCK, "q8_0": BLOCK, "q4_k": 256}
+KERNEL_FORMAT = {"q4_0": "q4_1", "q4_1": "q4_1", "q8_0": "q8_0", "q4_k": "q4_1f"}  # the kernel's record layout
 PANEL_ROWS = 16
 
 
@@ -28,7 +34,7 @@ PANEL_ROWS = 16
 class QuantizedWeight:
     """A [out_features, in_features] weight in GGUF's blocks: `blocks` is uint8 [out_features, in / 32 * bytes]."""
 
-    format: str  # "q4_0" | "q4_1" | "q8_0"
+    format: str  # "q4_0" | "q4_1" | "q8_0" | "q4_k"
     blocks: torch.Tensor
 
     def __post_init__(self) -> None:
@@ -44,7 +50,7 @@ class QuantizedWeight:
 
     @property
     def in_features(self) -> int:
-        return self.blocks.shape[1] // BLOCK_BYTES[self.format] * BLOCK
+        return self.blocks.shape[1] // BLOCK_BYTES[self.format] * BLOCK_WEIGHTS[self.format]
 
 
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
@@ -74,6 +80,8 @@ def pack_records(weight: QuantizedWeight, step_pairs: bool = False) -> torch.Ten
 
     step_pairs: the codes of steps 2r and 2r + 1 interleaved byte by byte (column by column for Q8_0), the order of
     an AMX tile's row r, so that csrc/amx_dequantize.h widens them without shuffling."""
+    if weight.format == "q4_k":
+        return _q4_1f_records(weight, step_pairs)
     fmt, out_features = weight.format, weight.out_features
     num_blocks = weight.in_features // BLOCK
     num_panels = -(-out_features // PANEL_ROWS)
@@ -96,6 +104,34 @@ def pack_records(weight: QuantizedWeight, step_pairs: bool = False) -> torch.Ten
         if step_pairs:
             step_bytes = _pairs_of_steps(step_bytes)
         parts = [scales, offsets.reshape(num_panels, num_blocks, -1), step_bytes.reshape(num_panels, num_blocks, -1)]
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)))
+
+
+def _q4_1f_records(weight: QuantizedWeight, step_pairs: bool) -> torch.Tensor:
+    """Q4_K as `q4_1f` records: d[16] float32 (d sc) | m[16] float32 (-dmin m) | Q4_1's 32 x 8 code bytes."""
+    from gguf.quants import Q4_K
+
+    out_features, num_super = weight.out_features, weight.in_features // 256
+    num_panels = -(-out_features // PANEL_ROWS)
+    raw = np.zeros((num_panels * PANEL_ROWS, num_super, 144), dtype=np.uint8)
+    raw[:out_features] = weight.blocks.numpy().reshape(out_features, num_super, 144)
+    flat = raw.reshape(-1, 144)
+    d = flat[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
+    dmin = flat[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mins = Q4_K.get_scale_min(flat[:, 4:16])  # [n, 8] each
+    scales = (d * sc.astype(np.float32)).reshape(num_panels, PANEL_ROWS, num_super * 8)
+    offsets = (-(dmin * mins.astype(np.float32))).reshape(num_panels, PANEL_ROWS, num_super * 8)
+    # A super-block's codes: 4 runs of 32 bytes; run r holds block 2r in its low nibbles and block 2r + 1 in its high.
+    runs = flat[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    codes = (runs & 0x0F).reshape(num_panels, PANEL_ROWS, num_super * 8, BLOCK)  # [panel, column, block, k]
+    codes = codes.transpose(0, 2, 3, 1)  # [panel, block, k, column]
+    step_bytes = codes[..., :8] | (codes[..., 8:] << 4)
+    if step_pairs:
+        step_bytes = _pairs_of_steps(step_bytes)
+    num_blocks = num_super * 8
+    parts = [np.ascontiguousarray(scales.transpose(0, 2, 1)).view(np.uint8),  # float32, little-endian
+             np.ascontiguousarray(offsets.transpose(0, 2, 1)).view(np.uint8),
+             step_bytes.reshape(num_panels, num_blocks, -1)]
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)))
 
 

@@ -10,8 +10,10 @@
 // each y element is then the same FMA chain over k as in packed_tile.h.
 //
 // Layout (loom/model/quantized.py packs it): per panel of 16 output columns, per block of 32 k, one record:
-//   Q4_1: d[16] float16 | m[16] float16 | 32 x 8 bytes of codes, byte c of step k = col c | col c+8 << 4
-//   Q8_0: d[16] float16 | 32 x 16 int8 codes, step k's 16 columns in order
+//   Q4_1:  d[16] float16 | m[16] float16 | 32 x 8 bytes of codes, byte c of step k = col c | col c+8 << 4
+//   Q4_1F: d[16] float32 | m[16] float32 | the same codes (Q4_K's blocks: d = d_super sc, m = -dmin_super min, both
+//          exact in float32, so fma(q, d, m) is gguf's (d sc) q - dmin min to the bit)
+//   Q8_0:  d[16] float16 | 32 x 16 int8 codes, step k's 16 columns in order
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -56,6 +58,20 @@ struct Q4_1 {
     const __m256i high = _mm256_srli_epi32(bytes, 4);
     w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), s.d0, s.m0);
     w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), s.d1, s.m1);
+  }
+};
+
+struct Q4_1F {
+  static constexpr int64_t kRecordBytes = 384;
+  static Scales scales(const uint8_t* record) {
+    const float* f = reinterpret_cast<const float*>(record);
+    return {_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8), _mm256_loadu_ps(f + 16), _mm256_loadu_ps(f + 24)};
+  }
+  static void row(const uint8_t* record, int64_t k, const Scales& s, __m256& w0, __m256& w1) {
+    const __m256i bytes =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(record + 128 + 8 * k)));
+    w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15))), s.d0, s.m0);
+    w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), s.d1, s.m1);
   }
 };
 
@@ -195,12 +211,19 @@ void quantized_linear_impl(const X* x, const uint8_t* records, const float* bias
 }  // namespace
 
 // x [rows, in_features] float32 or bfloat16; records uint8 [ceil(out_features / 16), in_features / 32, record bytes]
-// in `format` "q4_1" or "q8_0" (see the layout above); bias float32 [16 * num_panels] or None -> y [rows,
+// in `format` "q4_1", "q4_1f" or "q8_0" (see the layout above); bias float32 [16 * num_panels] or None -> y [rows,
 // out_features] of x's dtype.
 torch::Tensor quantized_linear(const torch::Tensor& x_in, const torch::Tensor& records, const std::string& format,
                                int64_t out_features, const std::optional<torch::Tensor>& bias) {
   check_x(x_in, "quantized_linear");
-  loom::gguf::check_records(records, format);
+  if (format == "q4_1f") {  // this kernel's alone (the AMX kernel does not read it)
+    TORCH_CHECK(records.device().is_cpu() && records.dim() == 3 && records.scalar_type() == torch::kUInt8 &&
+                    records.is_contiguous() && records.size(2) == Q4_1F::kRecordBytes,
+                "records must be a contiguous uint8 [num_panels, in_features / 32, ", Q4_1F::kRecordBytes,
+                "] CPU tensor");
+  } else {
+    loom::gguf::check_records(records, format);
+  }
   TORCH_CHECK(records.size(1) * kBlock == x_in.size(1), "x has ", x_in.size(1), " features, the weight expects ",
               records.size(1) * kBlock);
   TORCH_CHECK(records.size(0) == (out_features + kPanel - 1) / kPanel, "out_features does not match the records");
@@ -215,6 +238,9 @@ torch::Tensor quantized_linear(const torch::Tensor& x_in, const torch::Tensor& r
     if (format == "q4_1") {
       quantized_linear_impl<Q4_1, X>(x.data_ptr<X>(), data, bias_data, y.data_ptr<X>(), rows, in_features,
                                      out_features);
+    } else if (format == "q4_1f") {
+      quantized_linear_impl<Q4_1F, X>(x.data_ptr<X>(), data, bias_data, y.data_ptr<X>(), rows, in_features,
+                                      out_features);
     } else {
       quantized_linear_impl<Q8_0, X>(x.data_ptr<X>(), data, bias_data, y.data_ptr<X>(), rows, in_features,
                                      out_features);
@@ -225,7 +251,8 @@ torch::Tensor quantized_linear(const torch::Tensor& x_in, const torch::Tensor& r
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantized_linear", &quantized_linear,
-        "x @ W^T (+ bias) with W in GGUF Q4_1 or Q8_0 blocks (Q4_0 as Q4_1), packed in 16-column panels (CPU, AVX2)",
+        "x @ W^T (+ bias) with W in GGUF Q4_1 or Q8_0 blocks (Q4_0 as Q4_1, Q4_K as Q4_1F), packed in 16-column "
+        "panels (CPU, AVX2)",
         py::arg("x"), py::arg("records"), py::arg("format"), py::arg("out_features"), py::arg("bias") = py::none());
   m.attr("quantized_linear_entry") = loom::entry::export_entry<loom::entry::Matmul>(&quantized_linear);
 }
