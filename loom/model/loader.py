@@ -156,25 +156,27 @@ def _eos_ids(*values: object) -> list[int]:
     return ids
 
 
+def _decoder_shape(cfg: dict, default_context: int) -> dict:
+    """The sizes a Llama-style config.json gives under the same names (Llama, Mistral, Qwen2/3, Gemma 3)."""
+    heads = cfg["num_attention_heads"]
+    return {"vocab_size": cfg["vocab_size"], "hidden_size": cfg["hidden_size"], "num_layers": cfg["num_hidden_layers"],
+            "num_heads": heads, "num_kv_heads": cfg.get("num_key_value_heads") or heads,
+            "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            "intermediate_size": cfg["intermediate_size"],
+            "max_position_embeddings": cfg.get("max_position_embeddings", default_context),
+            "norm_eps": cfg.get("rms_norm_eps", 1e-6)}
+
+
 def _hf_config(cfg: dict, weight_names: set[str], eos: list[int]) -> ModelConfig:
     model_type = cfg.get("model_type")
     if model_type in _LLAMA_TYPES:
-        heads = cfg["num_attention_heads"]
         bias, qk_norm = _LLAMA_TYPES[model_type]
         theta, scaling = _llama_rope(cfg)
         if model_type == "qwen3" and cfg.get("use_sliding_window"):
             raise ValueError("Qwen3 with use_sliding_window is not supported")
         return ModelConfig(
             arch="llama",
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            **_decoder_shape(cfg, default_context=2048),
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings="lm_head.weight" not in weight_names,
@@ -184,28 +186,19 @@ def _hf_config(cfg: dict, weight_names: set[str], eos: list[int]) -> ModelConfig
             eos_token_ids=eos,
         )
     if model_type == "gemma3_text":
-        heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
         theta, scaling, local_theta = _gemma3_rope(cfg)
         for name in ("final_logit_softcapping", "attn_logit_softcapping"):
             if cfg.get(name) is not None:
                 raise ValueError(f"Gemma 3 with {name} is not supported")
         return ModelConfig(
             arch="gemma3",
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            **_decoder_shape(cfg, default_context=32768),
             rope_theta=theta,
             tie_word_embeddings=cfg.get("tie_word_embeddings", True) or "lm_head.weight" not in weight_names,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
             sliding_window=cfg.get("sliding_window"),
-            sliding_layers=_gemma3_sliding_layers(cfg, layers),
+            sliding_layers=_gemma3_sliding_layers(cfg, cfg["num_hidden_layers"]),
             rope_scaling=scaling,
             rope_local_theta=local_theta,
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),

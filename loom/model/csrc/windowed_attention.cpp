@@ -6,21 +6,17 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "bfloat16.h"
+
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using loom::widen;
 
 template <typename T>
 void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -99,12 +95,9 @@ torch::Tensor windowed_attention(const torch::Tensor& q, const torch::Tensor& k_
   TORCH_CHECK(window > 0, "windowed_attention: the window must be positive");
   auto tables = block_tables.contiguous(), lens = context_lens.contiguous(), starts = cu_seqlens_q.contiguous();
   torch::Tensor out = torch::empty_like(q);
-  if (q.scalar_type() == torch::kFloat32)
-    attend_rows<float>(q, k_cache, v_cache, tables, lens, starts, window, scale, out);
-  else if (q.scalar_type() == torch::kBFloat16)
-    attend_rows<c10::BFloat16>(q, k_cache, v_cache, tables, lens, starts, window, scale, out);
-  else
-    TORCH_CHECK(false, "windowed_attention: float32 or bfloat16 only");
+  loom::by_dtype(q, "windowed_attention", [&](auto* typed) {
+    attend_rows<std::remove_pointer_t<decltype(typed)>>(q, k_cache, v_cache, tables, lens, starts, window, scale, out);
+  });
   return out.view({q.size(0), q.size(1) * q.size(2)});
 }
 
