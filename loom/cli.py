@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: bundled SmolLM2 on 127.0.0.1:8000)")
     s.add_argument("model", nargs="?", default=None,
-                   help="a .gguf file, an HF model directory, or a packaged model: smollm2-135m (default), gemma-3-270m")
+                   help="a .gguf file, an HF model directory, or a packaged model: smollm2-135m (default), "
+                        "gemma-3-270m")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (beyond loopback, set --api-key)")
     s.add_argument("--port", type=int, default=8000, help="port to bind")
     add_engine_args(s, kv_cache_gib=1.0)
@@ -279,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--tenants", type=int, default=8, help="with --scale-out: tenants with their own system prompt")
     sv.add_argument("--system-tokens", type=int, default=500, help="with --scale-out: tokens of each system prompt")
     sv.add_argument("--serve-model", default=None,
-                    help="with --against-offline or --scale-out: the model (.gguf or HF directory; default: bundled SmolLM2)")
+                    help="with --against-offline or --scale-out: the model (.gguf, HF directory or packaged model's "
+                         "name; default: bundled SmolLM2)")
     sv.add_argument("--single-stream-requests", type=int, default=12,
                     help="with --against-offline: the first requests of the workload, run one at a time")
     add_engine_args(sv, kv_cache_gib=1.0)

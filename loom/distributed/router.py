@@ -67,6 +67,7 @@ class LoomRouter(RequestRouter):
 
     def initialize_state(self, **kwargs) -> None:
         self.in_flight: dict[ReplicaID, int] = {}
+        self.generating: set[str] = set()  # generate requests routed and not completed (other calls are not load)
         self.preferred: OrderedDict[str, tuple[ReplicaID, str]] = OrderedDict()
         self.board: ray.actor.ActorHandle | None = None
         self.setup(**kwargs)
@@ -91,6 +92,7 @@ class LoomRouter(RequestRouter):
         if pending_request.metadata.call_method != "generate":
             return
         self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1
+        self.generating.add(pending_request.metadata.internal_request_id)
         self.routed(pending_request, replica_id)
         reason = preferred[1] if preferred is not None and preferred[0] == replica_id else "load"
         try:
@@ -103,8 +105,10 @@ class LoomRouter(RequestRouter):
         """A generate request went to `replica_id`."""
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        if self.in_flight.get(replica_id, 0) > 0:
-            self.in_flight[replica_id] -= 1
+        if internal_request_id in self.generating:
+            self.generating.discard(internal_request_id)
+            if self.in_flight.get(replica_id, 0) > 0:
+                self.in_flight[replica_id] -= 1
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         self.in_flight.pop(replica_id, None)

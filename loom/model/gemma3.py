@@ -44,6 +44,8 @@ class Gemma3Layer:
 
 
 class Gemma3Model:
+    """Holds the weights (plain tensors, inference only) and runs one step, as LlamaModel does for its family."""
+
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  matmul: MatmulBackend, quantized: dict[str, QuantizedWeight] | None = None) -> None:
         self.config = config
