@@ -204,7 +204,8 @@ def render() -> str:
     out = ["# Benchmarks", "",
            "Every figure on this page comes from the JSON of the command above it (docs/data/), written by "
            "`python docs/make_benchmarks.py`; rerun it to measure your machine. The bundled SmolLM2-135M-Instruct "
-           "(GGUF Q4_1) is the model throughout; `--dtype auto` chose bfloat16 where the table says so.", ""]
+           "(GGUF Q4_1) is the model in every section but the Gemma 3 one; `--dtype auto` chose bfloat16 where the "
+           "table says so.", ""]
     for name, section in (("offline", offline_section), ("peers", peers_section), ("gemma", gemma_section),
                           ("serve", serve_section),
                           ("scale", scale_section), ("demo", demo_section)):
