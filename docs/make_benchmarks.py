@@ -107,18 +107,19 @@ def offline_section(meta: dict, lines: list[dict]) -> list[str]:
     return out
 
 
+def peer_row(x: dict) -> list:
+    """A `loom bench offline --peers` line's system, its rate (or error), Loom's ratio over it and whether the outputs
+    were identical to Loom's."""
+    return [x["system"], x.get("output_tokens_per_s", x.get("error", "-")), x.get("loom_continuous_over_this", "-"),
+            x.get("identical_outputs_to_loom", "-")]
+
+
 def peers_section(meta: dict, lines: list[dict]) -> list[str]:
     out = ["## Loom against transformers", "",
            "The first 16 requests of the mixed workload, all at once: Loom's continuous batching against transformers' "
            "`generate` (one padded batch, its best here) and `generate_batch` (its own continuous batching), the same "
            "weights in the same process.", "", *header(meta)]
-    rows = []
-    for x in lines:
-        if x.get("requests") != 16 or "system" not in x:
-            continue
-        rate = x.get("output_tokens_per_s", x.get("error", "-"))
-        rows.append([x["dtype"], x["system"], rate, x.get("loom_continuous_over_this", "-"),
-                     x.get("identical_outputs_to_loom", "-")])
+    rows = [[x["dtype"], *peer_row(x)] for x in lines if x.get("requests") == 16 and "system" in x]
     return out + table(["dtype", "system", "output tok/s", "Loom over this", "identical outputs"], rows)
 
 
@@ -127,10 +128,8 @@ def gemma_section(meta: dict, lines: list[dict]) -> list[str]:
            "The mixed workload on Gemma 3 270M (GGUF Q4_K_M: q, k, v, gate, up and the LM head run in Q8_0 blocks, "
            "o and half the down projections in Q4_K blocks, the Q6_K down projections dequantized), bfloat16. transformers runs the first 16 requests with `generate` (one padded "
            "batch) and `generate_batch`, on the same file in the same process.", "", *header(meta)]
-    rows = [[x["system"], x["requests"], x.get("output_tokens_per_s", x.get("error", "-")),
-             x.get("loom_continuous_over_this", "-"), x.get("identical_outputs_to_loom", "-")]
-            for x in lines if "system" in x]
-    return out + table(["system", "requests", "output tok/s", "Loom over this", "identical outputs"], rows)
+    rows = [[x["requests"], *peer_row(x)] for x in lines if "system" in x]
+    return out + table(["requests", "system", "output tok/s", "Loom over this", "identical outputs"], rows)
 
 
 def serve_section(meta: dict, lines: list[dict]) -> list[str]:

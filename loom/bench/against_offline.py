@@ -15,16 +15,14 @@ import asyncio
 import gc
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 from rich.console import Console
 
+from loom.bench.local_server import local_server
 from loom.bench.openmp_census import parked_openmp_workers
-from loom.bench.serve_client import free_loopback_port, run_benchmark, wait_until_healthy
+from loom.bench.serve_client import run_benchmark
 from loom.bench.stats import distribution, summarize
 from loom.bench.workloads import BenchRequest, mixed_workload
 from loom.config import SchedulerConfig
@@ -111,15 +109,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     del engine, loaded
     gc.collect()
 
-    port = free_loopback_port()
-    command = [sys.executable, "-m", "loom.cli", "serve", *([args.serve_model] if args.serve_model else []),
-               "--port", str(port), *engine_flags(args)]
-    log = tempfile.TemporaryFile("w+")  # not a pipe: a server whose log fills an unread pipe stops
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
-    base = f"http://127.0.0.1:{port}"
     rows = []
-    try:
-        wait_until_healthy(base, timeout=600)
+    with local_server(args.serve_model, engine_flags(args)) as (base, server, _):
         asyncio.run(run_benchmark(base, requests[:1], 1))  # the server's first request, untimed
         for level in levels:
             chosen = _requests_at(requests, level, args.single_stream_requests)
@@ -146,14 +137,6 @@ def run(args: argparse.Namespace) -> list[dict]:
         workers = parked_openmp_workers(server.pid)  # once, after the last level: it waits for idle workers
         for row in rows:
             row["server_openmp_workers"] = workers
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-        log.seek(0)
-        tail = log.read()[-2000:]
-        log.close()
-    if not rows:
-        raise RuntimeError(f"loom serve did not come up: {tail}")
     return rows
 
 

@@ -14,13 +14,7 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +22,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from loom.bench.serve_client import free_loopback_port, run_benchmark, wait_until_healthy
+from loom.bench.local_server import descendants, local_server
+from loom.bench.serve_client import run_benchmark
 from loom.bench.stats import summarize
 from loom.bench.workloads import BenchRequest, mixed_workload, tenants_workload
 from loom.engine_args import engine_flags
@@ -54,23 +49,10 @@ def systems(args: argparse.Namespace) -> list[System]:
                       for router in args.routers.split(","))]
 
 
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        for task in Path(f"/proc/{current}/task").glob("*"):
-            try:
-                todo += [int(child) for child in (task / "children").read_text().split()]
-            except OSError:
-                pass
-    return found
-
-
 def tree_pss_gib(pid: int) -> float:
     """Proportional set size of `pid` and every process under it (shared pages counted once in all)."""
     kib = 0
-    for process in _descendants(pid):
+    for process in descendants(pid):
         try:
             for line in Path(f"/proc/{process}/smaps_rollup").read_text().splitlines():
                 if line.startswith("Pss:"):
@@ -92,39 +74,6 @@ def scrape(base: str) -> dict[str, float]:
                 for key in (f"routed_by:{sample.labels['routed_by']}", f"replica:{sample.labels['replica']}"):
                     totals[key] = totals.get(key, 0.0) + sample.value
     return totals
-
-
-@contextmanager
-def started(system: System, args: argparse.Namespace) -> Iterator[tuple[str, subprocess.Popen, float]]:
-    """`loom serve` with the system's flags on a free port; its URL, process and seconds to healthy. Stopped with
-    SIGTERM, and anything left under it (Ray's processes) killed."""
-    port = free_loopback_port()
-    command = [sys.executable, "-m", "loom.cli", "serve", *([args.serve_model] if args.serve_model else []),
-               "--port", str(port), *engine_flags(args), *system.flags]
-    log = tempfile.TemporaryFile("w+")  # not a pipe: a server whose log fills an unread pipe stops
-    began = time.perf_counter()
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        try:
-            wait_until_healthy(base, timeout=600)
-        except TimeoutError:
-            log.seek(0)
-            raise RuntimeError(f"{system.name} did not come up: {log.read()[-2000:]}") from None
-        yield base, server, time.perf_counter() - began
-    finally:
-        family = _descendants(server.pid)
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        for pid in family[1:]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        log.close()
 
 
 def measure(base: str, requests: list[BenchRequest], concurrency: int, seed: int) -> dict:
@@ -157,7 +106,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                                          tuple(args.output_len), seed=args.seed)}
     rows = []
     for index, system in enumerate(systems(args)):
-        with started(system, args) as (base, server, startup_s):
+        with local_server(args.serve_model, [*engine_flags(args), *system.flags]) as (base, server, startup_s):
             asyncio.run(run_benchmark(base, [BenchRequest("Hello", 4)], 1))  # the first request, untimed
             names = ["tenants", "mixed"] if index < 2 else ["tenants"]  # mixed: one engine and the first router
             for name in names:
