@@ -32,6 +32,7 @@ RUNS = {
     "demo": "loom demo --plain --plot docs/img",
     "gemma": "loom bench offline --model gemma-3-270m --workload mixed --num-requests 64 --dtypes bfloat16 "
              "--policies continuous --peers hf --hf-requests 16",
+    "gemma_kv": "loom bench perf --model gemma-3-270m --dtypes bfloat16 --figures kv --kv-contexts 512,4096,32768",
     "scale": "loom bench serve --scale-out --num-requests 256 --concurrency 32 --output-len 16,128",
 }
 
@@ -132,6 +133,19 @@ def gemma_section(meta: dict, lines: list[dict]) -> list[str]:
     return out + table(["requests", "system", "output tok/s", "Loom over this", "identical outputs"], rows)
 
 
+def gemma_kv_section(meta: dict, lines: list[dict]) -> list[str]:
+    out = ["### The KV cache of one Gemma 3 request", "",
+           "One request alone (its prompt in chunks of the 2048-token budget, then one decode step), bfloat16 KV. "
+           "Gemma 3 270M's 15 local layers attend to the last 512 positions, its 3 global layers to everything: "
+           "the local layers' blocks behind the window go back to the pool as the request moves on. \"One table\" is "
+           "what the request would hold with every layer keeping every block. A step's chunk joins the window in "
+           "the local layers, so the prefill peak depends on the token budget.", "", *header(meta)]
+    rows = [[x["context"], x["one_table_kv_mib"], x["peak_kv_mib"], x["decode_kv_mib"],
+             f"{100 * x['decode_fraction_of_one_table']:.0f}%"] for x in lines if x.get("figure") == "kv_footprint"]
+    return out + table(["context tokens", "one table MiB", "windowed: prefill peak MiB", "windowed: decoding MiB",
+                        "decoding of one table"], rows)
+
+
 def serve_section(meta: dict, lines: list[dict]) -> list[str]:
     out = ["## The server against the engine", "",
            "The mixed workload offline (`LLMEngine` in the benchmark's process), then through a `loom serve` the "
@@ -206,7 +220,7 @@ def render() -> str:
            "(GGUF Q4_1) is the model in every section but the Gemma 3 one; `--dtype auto` chose bfloat16 where the "
            "table says so.", ""]
     for name, section in (("offline", offline_section), ("peers", peers_section), ("gemma", gemma_section),
-                          ("serve", serve_section),
+                          ("gemma_kv", gemma_kv_section), ("serve", serve_section),
                           ("scale", scale_section), ("demo", demo_section)):
         loaded = load(name)
         if loaded is not None:

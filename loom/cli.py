@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     off.set_defaults(func=cmd_bench_offline)
 
     pf = bsub.add_parser("perf", help="roofline figures: matmul peak, decode, prefill and draft-checking steps, "
-                                      "memory; JSON lines")
+                                      "memory, KV footprint; JSON lines")
     pf.add_argument("--model", default=None, help="a .gguf file or HF model directory (default: bundled SmolLM2)")
     pf.add_argument("--dtypes", default="float32,bfloat16")
     pf.add_argument("--figures", default="peak,decode,prefill,verify,interference,memory,agreement")
@@ -249,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--quantizations", default="auto", help="each dtype runs with each: auto, gguf, none")
     pf.add_argument("--layer-ops", default="auto", choices=list(LAYER_OPS))
     pf.add_argument("--agreement-requests", type=int, default=16, help="mixed requests run in both dtypes")
+    pf.add_argument("--kv-contexts", default="512,4096",
+                    help="tokens of the one request in each kv figure (figure 'kv', not run by default)")
     pf.add_argument("--threads", type=int, default=None)
     pf.set_defaults(func=cmd_bench_perf)
 

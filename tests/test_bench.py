@@ -118,7 +118,7 @@ def test_tracer_counts_each_filled_kv_slot_once(tiny_llama):
 
     def filled_slots(*_) -> None:  # every computed token's (block, offset), as a set
         running = engine.scheduler.running
-        expected.append(len({(r.block_ids[p // 4], p % 4) for r in running for p in range(r.num_computed_tokens)}))
+        expected.append(len({(engine.kv.block_tables(r)[0][p // 4], p % 4) for r in running for p in range(r.num_computed_tokens)}))
         per_request.append(sum(r.num_computed_tokens for r in running))
 
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

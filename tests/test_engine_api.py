@@ -25,7 +25,7 @@ def test_bad_input_raises_and_nothing_is_left_behind(llm):
         llm.generate([[]])
     with pytest.raises(ValueError, match="context length"):
         llm.generate([[5] * 500], SamplingParams(max_tokens=20))
-    with pytest.raises(ValueError, match="KV blocks"):
+    with pytest.raises(ValueError, match="KV cache holds at most"):
         llm.generate([[5] * 100], SamplingParams(max_tokens=410))
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([[5, 10**6]])

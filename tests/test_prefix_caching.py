@@ -31,10 +31,10 @@ def test_block_pool_lru_eviction_and_lookup():
         pool.cache_block(block, key)
     pool.free(a[::-1])  # the tail is freed first, so it is evicted first
     assert pool.num_free_blocks == 4 and pool.num_cached_blocks == 3
-    assert pool.cached_prefix(keys) == a
+    assert [pool.cached_block(k) for k in keys] == a
     fresh = pool.allocate(2)  # the never-used block 4, then the least recently freed: the tail block
     assert fresh == [4, a[2]]
-    assert pool.cached_prefix(keys) == a[:2] and pool.num_cached_blocks == 2
+    assert [pool.cached_block(k) for k in keys] == [*a[:2], None] and pool.num_cached_blocks == 2
     pool.take_cached(a[:2])
     assert pool.num_free_blocks == 0 and pool.ref_count(a[0]) == 1
     pool.check_invariants()
@@ -42,7 +42,7 @@ def test_block_pool_lru_eviction_and_lookup():
     assert pool.num_free_blocks == pool.num_usable_blocks
     pool.check_invariants()
     pool.reset_prefix_cache()
-    assert pool.cached_prefix(keys) == [] and pool.num_cached_blocks == 0
+    assert pool.cached_block(keys[0]) is None and pool.num_cached_blocks == 0
 
 
 def test_shared_prefix_is_computed_once(tiny_llama, alone_outputs):

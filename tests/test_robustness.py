@@ -220,7 +220,7 @@ def test_chat_template_cannot_reach_python_internals(tiny_llama_dir, tmp_path):
 def test_out_of_kv_blocks_preempts_and_a_request_that_never_fits_gets_400(tiny_llama):
     with running_server(tiny_llama, max_num_seqs=8, num_kv_blocks=8) as (base, engine):  # 7 blocks of 16 tokens
         r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 200}, timeout=30)
-        assert r.status_code == 400 and "KV blocks" in r.json()["error"]["message"]
+        assert r.status_code == 400 and "KV cache holds at most" in r.json()["error"]["message"]
 
         async def crowd():
             async with httpx.AsyncClient(base_url=base, timeout=120) as client:

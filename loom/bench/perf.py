@@ -13,6 +13,8 @@
 - prefill_interference: p99 inter-token latency of 32 decoding requests while a 4000-token prompt is prefilled,
   per token budget (the chunked-prefill trade-off).
 - agreement: greedy bfloat16 outputs against float32 on the first mixed-workload requests.
+- kv_footprint: the most KV cache one request of C tokens holds at once (its prompt prefilled, one token sampled),
+  against one block table for every layer; below it only where the model has sliding-window layers.
 Timings are medians of several runs; nothing here is asserted, only reported.
 """
 
@@ -48,6 +50,7 @@ from loom.bench.workloads import mixed_workload
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from loom.engine.batch import build_batch_metadata
 from loom.engine.engine import LLMEngine
+from loom.engine.kv_cache import NULL_BLOCK
 from loom.engine.runner import StepResult
 from loom.engine.scheduler import SchedulerOutput
 from loom.model.layer_ops import FusedLayerOps
@@ -115,7 +118,8 @@ def decode_step(engine: LLMEngine, batch: int, context: int, bandwidth: float, s
     hidden = model.forward(meta, runner.kv_caches, runner.attention)[meta.logits_indices]
     logits = model.compute_logits(hidden)
     requests = [out.scheduled[i].request for i in meta.sampled_scheduled_index]
-    metadata_s = median_seconds(lambda: build_batch_metadata(out, engine.config.cache.block_size), repeats=5)
+    metadata_s = median_seconds(lambda: build_batch_metadata(out, engine.config.cache.block_size,
+                                                                     len(runner.kv_spec.groups)), repeats=5)
     sample_s = median_seconds(lambda: runner.sampler.sample(logits, requests), repeats=5)
     for i in ids:
         engine.abort(i)
@@ -192,6 +196,34 @@ def prefill(engine: LLMEngine, prompt_tokens: int, peak_gflops: float, repeats: 
                     "fraction_of_round_peak": round(statistics.median(by_round), 3),
                     "fraction_of_round_peak_by_round": [round(f, 3) for f in by_round]}
     return figures
+
+
+def kv_footprint(engine: LLMEngine, context: int, seed: int = 2) -> dict:
+    """One request alone, its prompt of `context` - 1 tokens prefilled in budget-sized chunks, then one decode step:
+    the blocks it held in its largest step and in its decode step, in MiB, against the blocks one table for every
+    layer would hold at `context` tokens. A sliding-window group holds its window plus the step's chunk, so the peak
+    depends on the token budget too."""
+    spec = engine.runner.kv_spec
+    held: list[int] = []
+
+    def observe(out: SchedulerOutput, *_) -> None:  # a step's tables are still whole after its request finished
+        held.append(sum(b != NULL_BLOCK for s in out.scheduled for table in s.block_tables for b in table))
+
+    prompt = _random_prompt(random.Random(seed), context - 1, engine.model_config.vocab_size)
+    started = time.perf_counter()
+    with engine.observing(observe):
+        engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        engine.run_to_completion()
+    one_table = -(-context // spec.block_size) * len(spec.groups)
+
+    def mib(blocks: int) -> float:
+        return round(blocks * spec.bytes_per_block / (1 << 20), 2)
+
+    return {"context": context, "seconds": round(time.perf_counter() - started, 1),
+            "kv_groups": [g.window for g in spec.groups], "block_size": spec.block_size,
+            "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
+            "peak_kv_mib": mib(max(held)), "decode_kv_mib": mib(held[-1]), "one_table_kv_mib": mib(one_table),
+            "decode_fraction_of_one_table": round(held[-1] / one_table, 3)}
 
 
 @dataclasses.dataclass
@@ -364,6 +396,9 @@ def main(args: argparse.Namespace) -> int:
                     emit({"figure": "prefill_interference", **base, **prefill_interference(engine, budget, pacing)})
         if "memory" in figures:
             emit({"figure": "serve_memory", **serve_memory(args.model, dtype, quantization)})
+        if "kv" in figures:
+            for context in (int(c) for c in args.kv_contexts.split(",")):
+                emit({"figure": "kv_footprint", **base, **kv_footprint(engine, context)})
     if "agreement" in figures:
         for quantization in quantizations:
             emit({"figure": "agreement", "quantization": quantization, "attention_backend": args.attention_backend,

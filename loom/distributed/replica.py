@@ -43,9 +43,7 @@ class EngineReplica:
 
     def info(self) -> ReplicaInfo:
         engine = self.engine.engine
-        limits = RequestLimits(engine.model_config.vocab_size, engine.max_model_len, engine.config.cache.block_size,
-                               engine.pool.num_usable_blocks)
-        return ReplicaInfo(engine.loaded.name, engine.tokenizer, limits, engine.describe())
+        return ReplicaInfo(engine.loaded.name, engine.tokenizer, engine.request_limits, engine.describe())
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:

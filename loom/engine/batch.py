@@ -12,9 +12,11 @@ from loom.model.batch_metadata import BatchMetadata
 
 
 def build_batch_metadata(
-    out: SchedulerOutput, block_size: int, pad_token_id: int = 0, device: torch.device | str = "cpu"
+    out: SchedulerOutput, block_size: int, num_kv_groups: int = 1, pad_token_id: int = 0,
+    device: torch.device | str = "cpu",
 ) -> BatchMetadata:
-    """Pack the scheduled chunks (decodes first) into one unpadded row with positions, slots and block tables."""
+    """Pack the scheduled chunks (decodes first) into one unpadded row with positions, and the slots and block
+    tables of each of the `num_kv_groups` KV cache groups."""
     sched = out.scheduled
     # A one-token prompt chunk (the last token of a prompt whose blocks came from the prefix cache, or of a chunked
     # prompt) is prefill: the prefill kernel gives it the bits it gets inside a longer chunk. A request's last token
@@ -44,11 +46,14 @@ def build_batch_metadata(
 
     num_blocks = (-(-context_lens // block_size)).tolist()  # blocks the context spans (a request may own more)
     max_blocks = max(num_blocks) if num_blocks else 1
-    tables = np.full((num_seqs, max_blocks), NULL_BLOCK, np.int64)
-    for row, i in enumerate(order):
-        if i >= 0:
-            tables[row, : num_blocks[row]] = sched[i].block_ids[: num_blocks[row]]
-    slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    group_tables = []
+    for group in range(num_kv_groups):
+        tables = np.full((num_seqs, max_blocks), NULL_BLOCK, np.int64)
+        for row, i in enumerate(order):
+            if i >= 0:
+                tables[row, : num_blocks[row]] = sched[i].block_tables[group][: num_blocks[row]]
+        slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        group_tables.append((slot_mapping, tables))
 
     # Logits at each sampling sequence's last token, and for a request with drafts at each of its chunk's tokens.
     sample_rows = [row for row, i in enumerate(order) if i >= 0 and sched[i].sample]
@@ -83,8 +88,8 @@ def build_batch_metadata(
         positions=t(positions),
         cu_seqlens_q=t(cu),
         context_lens=t(context_lens),
-        slot_mapping=t(slot_mapping),
-        block_tables=t(tables),
+        slot_mapping=t(group_tables[0][0]),
+        block_tables=t(group_tables[0][1]),
         logits_indices=t(logits_indices),
         num_decodes=num_decodes,
         decode_max_blocks=decode_max_blocks,
@@ -98,4 +103,5 @@ def build_batch_metadata(
         sample_counts=sample_counts,
         prompt_logprob_indices=t(np.array(score_rows, np.int64)),
         prompt_logprob_spans=prompt_logprob_spans,
+        other_kv_groups=[(t(slots), t(tables)) for slots, tables in group_tables[1:]],
     )

@@ -13,6 +13,7 @@ from loom.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from loom.engine.host_memory import keep_large_allocations
 from loom.engine.input import RequestLimits, make_request
 from loom.engine.kv_cache import BlockPool, KVCacheSpec
+from loom.engine.kv_manager import KVCacheManager
 from loom.engine.ngram_proposer import NgramProposer
 from loom.engine.outputs import RequestMetrics, RequestOutput
 from loom.engine.request import Request
@@ -66,9 +67,10 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         cache = self.config.cache
         kv_spec = KVCacheSpec(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, cache.block_size, self.config.dtype,
-                              quantized=cache.kv_cache_dtype == "int8")
+                              quantized=cache.kv_cache_dtype == "int8", groups=mcfg.kv_cache_groups)
         num_blocks = cache.num_kv_blocks or kv_spec.num_blocks_for_memory(cache.kv_cache_memory)
         self.pool = BlockPool(num_blocks)
+        self.kv = KVCacheManager(self.pool, cache.block_size, kv_spec.groups)
         # An engine that read the weights itself is their only user: the model may consume them as it builds, so
         # the originals and their packed copies are never all in memory at once.
         model = self.loaded.build(self.config.dtype, make_matmul(self.config.matmul_backend, self.config.quantization,
@@ -78,8 +80,9 @@ class LLMEngine:
                                   make_sampler())
         self.scheduler = self._make_scheduler(self.config.scheduler)
         self.grammars = GrammarCompiler(self.tokenizer, mcfg.vocab_size)
-        self.request_limits = RequestLimits(mcfg.vocab_size, self.max_model_len, cache.block_size,
-                                            self.pool.num_usable_blocks)
+        self.request_limits = RequestLimits(
+            mcfg.vocab_size, self.max_model_len,
+            self.kv.max_request_tokens(self.config.scheduler.max_num_batched_tokens))
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, _Stream] = {}
         self.step_observers: list[StepObserver] = []  # called after every step (metrics, traces, demos)
@@ -108,9 +111,8 @@ class LLMEngine:
 
     def _make_scheduler(self, config: SchedulerConfig) -> Scheduler:
         if config.policy == "static":
-            return StaticScheduler(config, self.pool, self.config.cache.block_size)
-        cache = self.config.cache
-        return ContinuousScheduler(config, self.pool, cache.block_size, cache.enable_prefix_caching,
+            return StaticScheduler(config, self.kv)
+        return ContinuousScheduler(config, self.kv, self.config.cache.enable_prefix_caching,
                                    self.model_config.attention_keys_per_token)
 
     def set_scheduler(self, config: SchedulerConfig) -> None:

@@ -18,12 +18,12 @@ from loom.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """What a request must fit: the vocabulary, the context, and the KV cache (in blocks of block_size tokens)."""
+    """What a request must fit: the vocabulary, the context, and the KV cache (the most tokens one request can hold
+    in it alone: KVCacheManager.max_request_tokens)."""
 
     vocab_size: int
     max_model_len: int
-    block_size: int
-    usable_blocks: int
+    max_cached_tokens: int
 
 
 def make_request(prompt: str | list[int], params: SamplingParams | None, *, tokenizer: Tokenizer,
@@ -61,10 +61,10 @@ def make_request(prompt: str | list[int], params: SamplingParams | None, *, toke
             f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
             f"model's context length of {limits.max_model_len} tokens"
         )
-    blocks = -(-total // limits.block_size)
-    if blocks > limits.usable_blocks:
+    if total > limits.max_cached_tokens:
         raise ValueError(
-            f"prompt + max_tokens needs {blocks} KV blocks but the cache holds only {limits.usable_blocks}"
+            f"prompt + max_tokens = {total} tokens, but the KV cache holds at most {limits.max_cached_tokens} tokens "
+            f"of one request"
         )
     grammar = grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
     generator = torch.Generator()

@@ -3,20 +3,22 @@
 Block 0 is the null block: never handed out, it pads block tables and absorbs writes of padding tokens,
 so the pool is "full" when every other block is free.
 
-Prefix caching: a full block whose K/V are computed is registered under its hash-chain key (the parent block's key
-and the block's token ids), so a later request with the same prefix takes the block instead of recomputing it.
+Prefix caching: a full block whose K/V are computed is registered under a key built from its hash-chain key (the
+parent block's key and the block's token ids), so a later request with the same prefix takes the block instead of
+recomputing it. Which blocks a request holds is kv_manager.py's business.
 A freed block keeps its key until the pool hands it out again, least recently freed first (LRU eviction).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from loom.model.attention import KVCache
+from loom.model.config import KVCacheGroup
 
 NULL_BLOCK = 0
 
@@ -43,8 +45,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))  # oldest first
         self._ref_counts = [0] * num_blocks
-        self._key_of_block: dict[int, int] = {}
-        self._block_of_key: dict[int, int] = {}
+        self._key_of_block: dict[int, Hashable] = {}
+        self._block_of_key: dict[Hashable, int] = {}
 
     @property
     def num_usable_blocks(self) -> int:
@@ -97,7 +99,7 @@ class BlockPool:
 
     # --- prefix cache ---------------------------------------------------------------------------------------------
 
-    def cache_block(self, block: int, key: int) -> None:
+    def cache_block(self, block: int, key: Hashable) -> None:
         """Register an owned, fully computed block under its key (a key already held by another block is kept)."""
         if self._ref_counts[block] <= 0:
             raise RuntimeError(f"cannot cache block {block}: it is free")
@@ -105,18 +107,12 @@ class BlockPool:
             self._block_of_key[key] = block
             self._key_of_block[block] = key
 
-    def cached_prefix(self, keys: Sequence[int]) -> list[int]:
-        """Blocks of the longest run of `keys`, from the first, that the cache holds (nothing is taken yet)."""
-        blocks = []
-        for key in keys:
-            block = self._block_of_key.get(key)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
+    def cached_block(self, key: Hashable) -> int | None:
+        """The block cached under `key`, if any (nothing is taken yet)."""
+        return self._block_of_key.get(key)
 
     def take_cached(self, blocks: list[int]) -> None:
-        """Add an owner to cached blocks found by `cached_prefix`, taking free ones off the free list."""
+        """Add an owner to blocks found by `cached_block`, taking free ones off the free list."""
         for b in blocks:
             if self._ref_counts[b] == 0:
                 del self._free[b]
@@ -144,7 +140,11 @@ class BlockPool:
 @dataclass
 class KVCacheSpec:
     """Shape of one layer's K (or V) cache: [num_blocks, block_size, num_kv_heads, head_dim] of `dtype`, or with
-    `quantized` of int8 codes and a float32 scale per token and KV head (kv_cache_dtype "int8", kv_quant.py)."""
+    `quantized` of int8 codes and a float32 scale per token and KV head (kv_cache_dtype "int8", kv_quant.py).
+
+    A block holds block_size tokens of one KV cache group's layers; `groups` defaults to one group of every layer.
+    Groups are of one size, so a block of the pool serves any of them.
+    """
 
     num_layers: int
     num_kv_heads: int
@@ -152,6 +152,17 @@ class KVCacheSpec:
     block_size: int
     dtype: torch.dtype
     quantized: bool = False
+    groups: list[KVCacheGroup] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            self.groups = [KVCacheGroup(tuple(range(self.num_layers)), None)]
+        if len({len(g.layers) for g in self.groups}) != 1:
+            raise ValueError(f"KV cache groups must be of one size, got {[len(g.layers) for g in self.groups]}")
+
+    @property
+    def layers_per_block(self) -> int:
+        return len(self.groups[0].layers)
 
     @property
     def bytes_per_token(self) -> int:
@@ -164,21 +175,26 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        return self.block_size * self.bytes_per_token
+        return self.block_size * self.bytes_per_token * self.layers_per_block // self.num_layers
 
     def num_blocks_for_memory(self, memory_bytes: int) -> int:
         return max(2, memory_bytes // self.bytes_per_block)
 
     def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> list[KVCache]:
-        """One KVCache of zeroed tensors per layer: K and V are views of one buffer [num_blocks, 2, block_size,
+        """One KVCache per layer, of zeroed tensors: K and V are views of one buffer [num_blocks, 2, block_size,
         num_kv_heads, head_dim] in which each block's V follows its K, so decode attention, which reads a block's
-        keys and then its values, reads one run of memory a block (int8 scales in tensors of their own)."""
+        keys and then its values, reads one run of memory a block (int8 scales in tensors of their own). The i-th
+        layers of all groups share one buffer: a block belongs to one group at a time."""
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         dtype = torch.int8 if self.quantized else self.dtype
-        caches = []
-        for _ in range(self.num_layers):
+        buffers = []
+        for _ in range(self.layers_per_block):
             pairs = torch.zeros(num_blocks, 2, *shape[1:], dtype=dtype, device=device)
             scales = [torch.zeros(shape[:3], dtype=torch.float32, device=device)
                       for _ in range(2 if self.quantized else 0)]
-            caches.append(KVCache(pairs[:, 0], pairs[:, 1], *scales))
+            buffers.append(KVCache(pairs[:, 0], pairs[:, 1], *scales))
+        caches: list[KVCache | None] = [None] * self.num_layers
+        for group in self.groups:
+            for layer, buffer in zip(group.layers, buffers):
+                caches[layer] = buffer
         return caches

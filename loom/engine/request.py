@@ -36,8 +36,7 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     output_text: str = ""
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # prefix-cache keys of its full, computed blocks
+    block_hashes: list[int] = field(default_factory=list)  # hash-chain keys of its full, computed blocks
     arrival_index: int = 0  # set by the scheduler: FCFS order within a priority
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None

@@ -56,7 +56,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        meta = build_batch_metadata(out, self.kv_spec.block_size)
+        meta = build_batch_metadata(out, self.kv_spec.block_size, len(self.kv_spec.groups))
         started = time.perf_counter()
         hidden = self.model.forward(meta, self.kv_caches, self.attention)
         forwarded = time.perf_counter()

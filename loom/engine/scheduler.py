@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from loom.config import SchedulerConfig
-from loom.engine.kv_cache import BlockPool, block_hashes
+from loom.engine.kv_manager import KVCacheManager
 from loom.engine.request import Request, RequestStatus
 
 
@@ -23,7 +23,7 @@ class ScheduledRequest:
     request: Request
     token_ids: list[int]
     start_position: int
-    block_ids: list[int]
+    block_tables: tuple[list[int], ...]  # one per KV cache group
     sample: bool  # the chunk reaches the request's last token, so a new token is sampled from it
     slot: int  # the request's place in the running set this step
     # Speculation: proposed tokens fed after the request's last token (the tail of `token_ids`); the step checks them.
@@ -63,18 +63,15 @@ def _order(request: Request) -> tuple[int, int]:
 
 
 class Scheduler:
-    """State shared by both policies: waiting queue, running set, slots, the block pool and its prefix cache.
+    """State shared by both policies: waiting queue, running set, slots, and the KV cache's blocks (`kv`).
 
     Both `waiting` and `running` are kept in queue order (priority, then arrival), so the head of `waiting` is
     admitted next and the tail of `running` (lowest priority, newest) is preempted first.
     """
 
-    def __init__(
-        self, config: SchedulerConfig, pool: BlockPool, block_size: int, enable_prefix_caching: bool = False
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, enable_prefix_caching: bool = False) -> None:
         self.config = config
-        self.pool = pool
-        self.block_size = block_size
+        self.kv = kv
         self.enable_prefix_caching = enable_prefix_caching
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -93,16 +90,8 @@ class Scheduler:
     def mark_computed(self, request: Request, num_tokens: int) -> None:
         """After a step: `num_tokens` more of the request have K/V; full blocks among them join the prefix cache."""
         request.num_computed_tokens += num_tokens
-        if not self.enable_prefix_caching:
-            return
-        num_full = request.num_computed_tokens // self.block_size
-        done = len(request.block_hashes)
-        if num_full > done:
-            tokens = request.token_ids(done * self.block_size, num_full * self.block_size)
-            parent = request.block_hashes[-1] if done else None
-            for i, key in enumerate(block_hashes(tokens, self.block_size, parent), start=done):
-                self.pool.cache_block(request.block_ids[i], key)
-                request.block_hashes.append(key)
+        if self.enable_prefix_caching:
+            self.kv.cache_computed(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -121,23 +110,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         raise NotImplementedError
 
-    def _blocks_needed(self, request: Request, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.block_size) - len(request.block_ids))
-
-    def _try_allocate(self, request: Request, num_tokens: int) -> bool:
-        """Give the request enough blocks to hold `num_tokens` tokens, if the pool has them."""
-        need = self._blocks_needed(request, num_tokens)
-        if need > self.pool.num_free_blocks:
-            return False
-        if need:
-            request.block_ids.extend(self.pool.allocate(need))
-        return True
-
     def _release(self, request: Request) -> None:
-        if request.block_ids:
-            self.pool.free(request.block_ids[::-1])  # tail first: shared prefix blocks stay cached longest
-            request.block_ids = []
-        request.block_hashes = []
+        self.kv.free(request)
         if request.slot is not None:
             self._free_slots.append(request.slot)
             self._free_slots.sort()
@@ -160,20 +134,12 @@ class Scheduler:
         """
         if not self.enable_prefix_caching or request.num_computed_tokens or request.params.prompt_logprobs is not None:
             return 0
-        keys = block_hashes(request.token_ids(0, request.num_tokens - 1), self.block_size)
-        blocks = self.pool.cached_prefix(keys)
-        if blocks:
-            self.pool.take_cached(blocks)
-            request.block_ids = blocks
-            request.block_hashes = keys[: len(blocks)]
-            request.num_computed_tokens = len(blocks) * self.block_size
-        return len(blocks)
+        return self.kv.take_cached_prefix(request)
 
     def _return_cached_prefix(self, request: Request) -> None:
         """Undo `_take_cached_prefix` for a request that could not be admitted after all."""
-        if request.block_ids:
-            self.pool.free(request.block_ids[::-1])
-        request.block_ids, request.block_hashes, request.num_computed_tokens = [], [], 0
+        self.kv.free(request)
+        request.num_computed_tokens = 0
 
     def _schedule_chunk(self, request: Request, num_tokens: int, out: SchedulerOutput,
                         drafts: list[int] | None = None) -> None:
@@ -184,7 +150,7 @@ class Scheduler:
                 request=request,
                 token_ids=request.token_ids(start, end) + (drafts or []),
                 start_position=start,
-                block_ids=request.block_ids,
+                block_tables=self.kv.block_tables(request),
                 sample=end == request.num_tokens,
                 slot=request.slot,
                 draft_token_ids=drafts or [],
@@ -212,9 +178,9 @@ class ContinuousScheduler(Scheduler):
     So a step carries about as much long-prompt work as decode work, and the long prompt still moves every step.
     """
 
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int, enable_prefix_caching: bool = False,
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, enable_prefix_caching: bool = False,
                  keys_per_token: float = math.inf) -> None:
-        super().__init__(config, pool, block_size, enable_prefix_caching)
+        super().__init__(config, kv, enable_prefix_caching)
         self.keys_per_token = keys_per_token
 
     def schedule(self) -> SchedulerOutput:
@@ -237,7 +203,7 @@ class ContinuousScheduler(Scheduler):
                 if n == 0:  # the long prompts' share of this step is spent
                     index += 1
                     continue
-            while not self._try_allocate(request, request.num_computed_tokens + n + len(drafts)):
+            while not self.kv.allocate(request, request.num_computed_tokens + n + len(drafts)):
                 if drafts:  # drafts are the first to give way when blocks run out
                     drafts = []
                     continue
@@ -263,13 +229,13 @@ class ContinuousScheduler(Scheduler):
                 n = min(request.num_tokens - request.num_computed_tokens, budget)
                 if long:
                     n = self._paced_chunk(request, n, long_allowance)
-                if not self._try_allocate(request, request.num_computed_tokens + n):
+                if not self.kv.allocate(request, request.num_computed_tokens + n):
                     if num_cached:
                         self._return_cached_prefix(request)
                     break
                 if self.enable_prefix_caching:
                     self.prefix_cache_queries += request.num_tokens
-                    self.prefix_cache_hits += num_cached * self.block_size
+                    self.prefix_cache_hits += num_cached * self.kv.block_size
                 if long:
                     long_allowance -= self._prefill_cost(request.num_computed_tokens, n)
                 self._admit(request, out)
@@ -326,8 +292,8 @@ class StaticScheduler(Scheduler):
     preempts. `num_pad_tokens` counts the wasted work the rectangle costs.
     """
 
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int) -> None:
-        super().__init__(config, pool, block_size)
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        super().__init__(config, kv)
         self.wave: list[Request] = []
         self._wave_slots: dict[str, int] = {}
         self.num_pad_tokens = 0
@@ -339,7 +305,7 @@ class StaticScheduler(Scheduler):
             self._wave_slots = {}
             while self.waiting and len(self.wave) < self.config.max_num_seqs:
                 request = self.waiting[0]
-                if not self._try_allocate(request, request.num_prompt_tokens + request.params.max_tokens):
+                if not self.kv.allocate(request, request.num_prompt_tokens + request.params.max_tokens):
                     break
                 self._admit(request, out)
                 self.wave.append(request)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from loom.engine.engine import LLMEngine
+from loom.engine.kv_cache import NULL_BLOCK
 from loom.engine.outputs import RequestOutput
 from loom.engine.runner import StepResult
 from loom.engine.scheduler import SchedulerOutput
@@ -77,7 +78,8 @@ class StepTracer:
         ))
 
     def _filled_slots(self) -> int:
-        """Slots holding a computed token, counting a block shared through the prefix cache once.
+        """Slots holding a computed token, in every KV cache group, counting a block shared through the prefix cache
+        once.
 
         A request's blocks before its computed tokens' end are full, the one they end in is partly filled, the rest
         are empty. Only full blocks are shared (the prefix cache keeps whole blocks), so the partly filled ones are
@@ -89,9 +91,11 @@ class StepTracer:
         partly = 0
         for r in self.engine.scheduler.running:
             whole, rest = divmod(r.num_computed_tokens, block_size)
-            full.update(r.block_ids[:whole])
-            if whole < len(r.block_ids):
-                partly += rest
+            for table in self.engine.kv.block_tables(r):  # one per KV cache group
+                full.update(table[:whole])
+                if whole < len(table):
+                    partly += rest
+        full.discard(NULL_BLOCK)  # where a sliding window gave blocks back
         return len(full) * block_size + partly
 
     def to_chrome_trace(self) -> dict:

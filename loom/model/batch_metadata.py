@@ -6,7 +6,7 @@ attention backend runs every decode in one batched call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
@@ -45,6 +45,16 @@ class BatchMetadata:
     sample_counts: list[int]  # logits rows of each sampling sequence: 1 + its draft tokens
     prompt_logprob_indices: torch.Tensor  # [P] int64
     prompt_logprob_spans: list[tuple[int, int, int]]
+    # With several KV cache groups (ModelConfig.kv_cache_groups): slot_mapping and block_tables above are group 0's,
+    # these the (slot_mapping, block_tables) of groups 1, 2, ...
+    other_kv_groups: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def for_kv_group(self, group: int) -> BatchMetadata:
+        """This step as the layers of one KV cache group see it: the group's slots and block tables."""
+        if group == 0:
+            return self
+        slot_mapping, block_tables = self.other_kv_groups[group - 1]
+        return replace(self, slot_mapping=slot_mapping, block_tables=block_tables)
 
     @property
     def num_tokens(self) -> int:

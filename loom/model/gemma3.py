@@ -89,6 +89,7 @@ class Gemma3Model:
         self.global_rope = rope_table(config.rope_theta, config.head_dim, positions, dtype, config.rope_scaling)
         self.local_rope = rope_table(config.rope_local_theta or config.rope_theta, config.head_dim, positions, dtype)
         self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        self.kv_groups = config.kv_cache_groups
 
     def forward(self, meta: BatchMetadata, kv_caches: list[KVCache], attention: AttentionBackend) -> torch.Tensor:
         """Hidden states [T, hidden] after the last layer (final norm not yet applied)."""
@@ -97,13 +98,17 @@ class Gemma3Model:
         ropes = {window: tuple(t.index_select(0, meta.positions) for t in table) for window, table in
                  ((None, self.global_rope), (cfg.sliding_window, self.local_rope))}
         hidden = self.embed.index_select(0, meta.input_ids) * self.embed_scale
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        meta_of_layer = {}  # a layer reads and writes its K/V through its KV cache group's block tables
+        for g, group in enumerate(self.kv_groups):
+            group_meta = meta.for_kv_group(g)
+            meta_of_layer.update(dict.fromkeys(group.layers, group_meta))
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = gemma_rms_norm(hidden, layer.input_norm, eps)
             q, k, v = layer.qkv(x).view(meta.num_tokens, -1, d).split_with_sizes([heads, kv_heads, kv_heads], dim=1)
             cos, sin = (t.unsqueeze(1) for t in ropes[layer.window])
             q, k = gemma_rms_norm(q, layer.q_norm, eps), gemma_rms_norm(k, layer.k_norm, eps)
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-            attn = attention(q, k, v.contiguous(), kv_cache, meta, self.scale, layer.window)
+            attn = attention(q, k, v.contiguous(), kv_cache, meta_of_layer[i], self.scale, layer.window)
             hidden = hidden + gemma_rms_norm(layer.o(attn), layer.post_attention_norm, eps)
             gate, up = layer.gate_up(gemma_rms_norm(hidden, layer.pre_mlp_norm, eps)).chunk(2, dim=-1)
             delta = layer.down(F.gelu(gate, approximate="tanh") * up)
