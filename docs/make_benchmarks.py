@@ -138,8 +138,10 @@ def gemma_kv_section(meta: dict, lines: list[dict]) -> list[str]:
            "One request alone (its prompt in chunks of the 2048-token budget, then one decode step), bfloat16 KV. "
            "Gemma 3 270M's 15 local layers attend to the last 512 positions, its 3 global layers to everything: "
            "the local layers' blocks behind the window go back to the pool as the request moves on. \"One table\" is "
-           "what the request would hold with every layer keeping every block. A step's chunk joins the window in "
-           "the local layers, so the prefill peak depends on the token budget.", "", *header(meta)]
+           "what the request would hold with every layer keeping every block. While decoding, the global layers hold "
+           "a sixth of that (3 of 18 layers) and the local ones 33 blocks each of their five groups (7.7 MiB) at any "
+           "length; during prefill a step's chunk joins the window, so the peak depends on the token budget.", "",
+           *header(meta)]
     rows = [[x["context"], x["one_table_kv_mib"], x["peak_kv_mib"], x["decode_kv_mib"],
              f"{100 * x['decode_fraction_of_one_table']:.0f}%"] for x in lines if x.get("figure") == "kv_footprint"]
     return out + table(["context tokens", "one table MiB", "windowed: prefill peak MiB", "windowed: decoding MiB",

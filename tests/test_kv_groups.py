@@ -150,3 +150,24 @@ def test_prefix_caching_across_windows_changes_no_output(tiny_gemma3_dir, num_kv
         assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_usable_blocks
     assert outputs[True] == outputs[False]
     assert hits[False] == 0 and hits[True] == (3 * 7 * 4 + 3 * 10 * 4 if num_kv_blocks == 300 else 7 * 4)
+
+
+def test_kv_footprint_figure_counts_what_the_request_held(tiny_gemma3_dir, tiny_llama):
+    """Tiny Gemma 3, blocks of 4, window 6, budget 16: a 100-token request (98 prompt tokens, 2 sampled) holds in
+    its decode step 25 full-group blocks and in each sliding group the 2 blocks that hold positions 93-98; one table
+    for every layer would hold 3 x 25. A model with one kind of layer holds exactly one table."""
+    from loom.bench.perf import kv_footprint
+
+    gemma = LLM(dtype="float32", loaded=load_model(tiny_gemma3_dir), max_num_batched_tokens=16, num_kv_blocks=200,
+                block_size=4).engine
+    figure = kv_footprint(gemma, 100)
+    assert figure["kv_groups"] == [None, 6, 6]
+    assert figure["one_table_blocks"] == 75 and figure["decode_blocks"] == 25 + 2 * 2
+    assert figure["decode_fraction_of_one_table"] == round(29 / 75, 3)
+    # The largest step: the chunk of positions 80-95, which reaches back to 75, so blocks 18-23 in each sliding
+    # group, while the full group holds blocks 0-23.
+    assert figure["peak_blocks"] == 24 + 2 * 6
+    block_mib = gemma.runner.kv_spec.bytes_per_block / (1 << 20)
+    assert figure["one_table_kv_mib"] == round(75 * block_mib, 2)
+    llama = LLM(dtype="float32", loaded=tiny_llama, max_num_batched_tokens=16, num_kv_blocks=200, block_size=4).engine
+    assert kv_footprint(llama, 100)["decode_fraction_of_one_table"] == 1.0

@@ -199,9 +199,9 @@ def prefill(engine: LLMEngine, prompt_tokens: int, peak_gflops: float, repeats: 
 
 
 def kv_footprint(engine: LLMEngine, context: int, seed: int = 2) -> dict:
-    """One request alone, its prompt of `context` - 1 tokens prefilled in budget-sized chunks, then one decode step:
-    the blocks it held in its largest step and in its decode step, in MiB, against the blocks one table for every
-    layer would hold at `context` tokens. A sliding-window group holds its window plus the step's chunk, so the peak
+    """One request of `context` tokens alone: its prompt of `context` - 2 prefilled in budget-sized chunks, then one
+    decode step, the last token sampled. The blocks it held in its largest step and in its decode step, in MiB,
+    against the blocks one table for every layer would hold at `context` tokens. A sliding-window group holds its window plus the step's chunk, so the peak
     depends on the token budget too."""
     spec = engine.runner.kv_spec
     held: list[int] = []
@@ -209,7 +209,7 @@ def kv_footprint(engine: LLMEngine, context: int, seed: int = 2) -> dict:
     def observe(out: SchedulerOutput, *_) -> None:  # a step's tables are still whole after its request finished
         held.append(sum(b != NULL_BLOCK for s in out.scheduled for table in s.block_tables for b in table))
 
-    prompt = _random_prompt(random.Random(seed), context - 1, engine.model_config.vocab_size)
+    prompt = _random_prompt(random.Random(seed), context - 2, engine.model_config.vocab_size)
     started = time.perf_counter()
     with engine.observing(observe):
         engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
@@ -222,6 +222,7 @@ def kv_footprint(engine: LLMEngine, context: int, seed: int = 2) -> dict:
     return {"context": context, "seconds": round(time.perf_counter() - started, 1),
             "kv_groups": [g.window for g in spec.groups], "block_size": spec.block_size,
             "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
+            "peak_blocks": max(held), "decode_blocks": held[-1], "one_table_blocks": one_table,
             "peak_kv_mib": mib(max(held)), "decode_kv_mib": mib(held[-1]), "one_table_kv_mib": mib(one_table),
             "decode_fraction_of_one_table": round(held[-1] / one_table, 3)}
 
