@@ -127,8 +127,9 @@ def peers_section(meta: dict, lines: list[dict]) -> list[str]:
 def gemma_section(meta: dict, lines: list[dict]) -> list[str]:
     out = ["## Gemma 3 270M against transformers", "",
            "The mixed workload on Gemma 3 270M (GGUF Q4_K_M: q, k, v, gate, up and the LM head run in Q8_0 blocks, "
-           "o and half the down projections in Q4_K blocks, the Q6_K down projections dequantized), bfloat16. transformers runs the first 16 requests with `generate` (one padded "
-           "batch) and `generate_batch`, on the same file in the same process.", "", *header(meta)]
+           "o and half the down projections in Q4_K blocks, the other down projections in Q6_K blocks), bfloat16. "
+           "transformers runs the first 16 requests with `generate` (one padded batch) and `generate_batch`, on the "
+           "same file in the same process.", "", *header(meta)]
     rows = [[x["requests"], *peer_row(x)] for x in lines if "system" in x]
     return out + table(["requests", "system", "output tok/s", "Loom over this", "identical outputs"], rows)
 

@@ -30,7 +30,7 @@ CORPUS = [
     "Continuous batching keeps every slot busy: finished requests leave and waiting ones join at once.",
 ]
 TINY_VOCAB = 320
-GGML_TYPES = {name: GGMLQuantizationType[name.upper()] for name in ("q4_0", "q4_1", "q5_0", "q8_0")}
+GGML_TYPES = {name: GGMLQuantizationType[name.upper()] for name in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")}
 
 
 def _train_tokenizer(path: Path) -> None:
@@ -248,22 +248,28 @@ def drive(engine: LLMEngine, workload, arrivals: list[int], check_steps: bool = 
     return done
 
 
-def random_q4_k_blocks(out_features: int, in_features: int, seed: int) -> np.ndarray:
-    """Random Q4_K super-blocks (gguf cannot quantize to Q4_K): float16 d and dmin of varied size, every 6-bit scale
-    and min and every code drawn at random."""
+def random_k_quant_blocks(fmt: str, out_features: int, in_features: int, seed: int) -> np.ndarray:
+    """Random Q4_K, Q5_K or Q6_K super-blocks (gguf cannot quantize to them): float16 d (and dmin) of varied size,
+    every sub-block scale (and min) and every code drawn at random."""
     rng = np.random.default_rng(seed)
     n = out_features * in_features // 256
-    blocks = rng.integers(0, 256, size=(n, 144), dtype=np.uint8)
-    blocks[:, 0:2] = (rng.uniform(1e-4, 0.05, n) * rng.choice([1, 30], n)).astype(np.float16).view(np.uint8).reshape(n, 2)
-    blocks[:, 2:4] = rng.uniform(0, 0.02, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    size = {"q4_k": 144, "q5_k": 176, "q6_k": 210}[fmt]
+    blocks = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    d = (rng.uniform(1e-4, 0.05, n) * rng.choice([1, 30], n)).astype(np.float16).view(np.uint8).reshape(n, 2)
+    if fmt == "q6_k":
+        blocks[:, 208:210] = d * (rng.random((n, 1)) < 0.9)  # d, or now and then 0.0
+        blocks[:, 209] |= (rng.random(n) < 0.3).astype(np.uint8) << 7  # some d negative
+    else:
+        blocks[:, 0:2] = d
+        blocks[:, 2:4] = rng.uniform(0, 0.02, n).astype(np.float16).view(np.uint8).reshape(n, 2)
     return blocks.reshape(out_features, -1)
 
 
 def random_quantized(fmt: str, out_features: int, in_features: int, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
-    """A random weight quantized by gguf's own code (Q4_K: random blocks), and what gguf dequantizes it to."""
-    if fmt == "q4_k":
-        blocks = random_q4_k_blocks(out_features, in_features, seed)
-        dense = np.asarray(dequantize(blocks, GGMLQuantizationType.Q4_K), dtype=np.float32)
+    """A random weight quantized by gguf's own code (K-quants: random blocks), and what gguf dequantizes it to."""
+    if fmt.endswith("_k"):
+        blocks = random_k_quant_blocks(fmt, out_features, in_features, seed)
+        dense = np.asarray(dequantize(blocks, GGMLQuantizationType[fmt.upper()]), dtype=np.float32)
         return QuantizedWeight(fmt, torch.from_numpy(blocks)), torch.from_numpy(dense.reshape(out_features, -1))
     w = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32)
     blocks = quantize(w, GGML_TYPES[fmt])

@@ -264,8 +264,13 @@ BLOCK_SHAPES = [(1, 576, 960), (3, 64, 40), (17, 224, 48), (33, 1536, 70), (64, 
                 (0, 64, 16)]
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
-@pytest.mark.parametrize(("rows", "in_features", "out_features"), BLOCK_SHAPES)
+# The K-quants' super-blocks are 256 weights along k.
+K_QUANT_SHAPES = [(1, 512, 960), (3, 256, 40), (17, 768, 48), (64, 512, 96), (300, 256, 48), (0, 256, 16)]
+
+
+@pytest.mark.parametrize(("fmt", "rows", "in_features", "out_features"),
+                         [(fmt, *shape) for fmt in ("q4_0", "q4_1", "q8_0", "q5_1") for shape in BLOCK_SHAPES]
+                         + [(fmt, *shape) for fmt in ("q4_k", "q5_k", "q6_k") for shape in K_QUANT_SHAPES])
 def test_gguf_blocks_on_amx_give_the_bits_of_their_bfloat16_weights(amx, fmt, rows, in_features, out_features):
     """Records dequantized into tiles as the kernel goes: bit for bit AmxLinear on gguf's float32 weights rounded to
     bfloat16 (torch's rounding), with and without a bias."""

@@ -353,10 +353,12 @@ def test_bench_serve_against_offline_runs_one_workload_both_ways(tiny_llama_dir,
     assert (single["concurrency"], single["requests"], concurrent["concurrency"], concurrent["requests"]) == (1, 2, 4, 6)
     for row in (single, concurrent):
         assert row["online"]["completed"] == row["requests"] and row["online"]["failed"] == 0 and not row["errors"]
-        assert row["dtype"] == "float32" and row["client_cpu_s"] >= 0 and row["server_engine_threads_cpu_s"] > 0
+        # CPU seconds come in clock ticks (10 ms): a tiny model's two requests can take less than one.
+        assert row["dtype"] == "float32" and row["client_cpu_s"] >= 0 and row["server_engine_threads_cpu_s"] >= 0
         assert row["server_cpu_s"] == pytest.approx(row["server_engine_threads_cpu_s"]
                                                     + row["server_other_threads_cpu_s"], abs=0.02)
         assert row["online"]["ttft_ms"]["p99"] > 0
+    assert single["server_engine_threads_cpu_s"] + concurrent["server_engine_threads_cpu_s"] > 0
     assert single["tpot_online_over_offline"] == pytest.approx(
         single["online"]["tpot_ms"]["median"] / single["offline"]["tpot_ms"]["median"], abs=1e-3)
     assert concurrent["throughput_online_over_offline"] == pytest.approx(

@@ -108,6 +108,9 @@ def test_gemma3_greedy_matches_transformers_alone_and_in_batch_mixes(gemma3, hf_
     for quantization, max_num_seqs, budget in (("none", 1, 2048), ("gguf", 5, 256), ("none", 12, 96)):
         llm = LLM(dtype="float32", loaded=gemma3, quantization=quantization, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=budget)
+        if quantization == "gguf":  # Q4_K, Q6_K (the down projections) and Q5_0 / Q8_0: every matmul in its blocks
+            formats = {lin.format for lin in llm.engine.runner.model.layer_linears()}
+            assert formats == {"q4_1f", "q8f", "q8_0"}, formats
         order = list(range(len(prompts)))
         random.Random(max_num_seqs).shuffle(order)
         outputs = llm.generate([prompts[i] for i in order], params)

@@ -1,4 +1,4 @@
-"""GGUF's Q4_0 / Q4_1 / Q8_0 weights run in their blocks: the same bits as the float32 kernel on the dequantized
+"""GGUF's Q4_0 / Q4_1 / Q8_0 / K-quant / Q5_1 weights run in their blocks: the same bits as the float32 kernel on the dequantized
 weights, whatever the batch; the loader keeps blocks that dequantize to its own weights; an engine on them gives
 float32's outputs."""
 
@@ -47,25 +47,29 @@ def test_quantized_linear_gives_the_float32_kernels_bits(kernels, fmt, dtype, ro
     torch.testing.assert_close(got.double(), reference, rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=1e-2)
 
 
+@pytest.mark.parametrize(("fmt", "kernel_format"), [("q4_k", "q4_1f"), ("q5_k", "q8f"), ("q6_k", "q8f"),
+                                                   ("q5_1", "q8f")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "in_features", "out_features"),
                          [(1, 256, 48), (1, 512, 40), (3, 512, 33), (6, 768, 16), (17, 256, 48), (70, 512, 17),
                           (0, 256, 16)])
-def test_q4_k_runs_in_float32_scaled_records_with_the_float32_kernels_bits(kernels, dtype, rows, in_features,
-                                                                          out_features):
-    quantized, dense = random_quantized("q4_k", out_features, in_features, seed=rows * 100 + in_features)
+def test_k_quants_and_q5_1_run_in_float32_scaled_records_with_the_float32_kernels_bits(
+        kernels, fmt, kernel_format, dtype, rows, in_features, out_features):
+    """Against gguf's own dequantizer: random super-blocks (every sub-block scale and min, every code, negative
+    and zero Q6_K scales), odd row counts, partial panels."""
+    quantized, dense = random_quantized(fmt, out_features, in_features, seed=rows * 100 + in_features)
     assert quantized.in_features == in_features
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
     linear = QuantizedLinear.pack(quantized, None, kernels.quantized_kernel)
-    assert linear.format == "q4_1f"
+    assert linear.format == kernel_format
     expected = kernels.kernel.packed_linear(x, pack_panels(dense), out_features, None)
     assert torch.equal(linear(x), expected)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k", "q5_1", "q5_k", "q6_k"])
 def test_quantized_rows_do_not_depend_on_the_batch(kernels, fmt):
-    quantized, _ = random_quantized(fmt, 100, 768 if fmt == "q4_k" else 576, seed=7)
+    quantized, _ = random_quantized(fmt, 100, 768 if fmt.endswith("_k") else 576, seed=7)
     linear = QuantizedLinear.pack(quantized, None, kernels.quantized_kernel)
     x = torch.randn(70, quantized.in_features, generator=torch.Generator().manual_seed(3))
     whole = linear(x)  # 70 rows: through the float32 panel

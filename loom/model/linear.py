@@ -207,7 +207,7 @@ class QuantizedLinear:
     (Q4_1) or 8.5 (Q8_0) bits a weight read instead of 16 or 32."""
 
     records: torch.Tensor
-    format: str  # the kernel's record layout, "q4_1", "q4_1f" or "q8_0" (KERNEL_FORMAT)
+    format: str  # the kernel's record layout, "q4_1", "q4_1f", "q8_0" or "q8f" (KERNEL_FORMAT)
     in_features: int
     out_features: int
     bias: torch.Tensor | None  # float32, padded to whole panels (pad_to_panels)
@@ -294,9 +294,8 @@ class MatmulBackend:
                 and weight.dtype in (torch.float32, torch.bfloat16))
 
     def runs_blocks_on_amx(self, weight: torch.Tensor, quantized: QuantizedWeight | None) -> bool:
-        """The AMX kernel reads Q4_1 and Q8_0 records; a Q4_K weight runs dense on AMX tiles."""
-        return (quantized is not None and self.amx_blocks and self.runs_amx(weight)
-                and KERNEL_FORMAT[quantized.format] in ("q4_1", "q8_0"))
+        """The AMX kernel reads every record layout (KERNEL_FORMAT) the quantized kernel does."""
+        return quantized is not None and self.amx_blocks and self.runs_amx(weight)
 
     def runs_quantized(self, weight: torch.Tensor, quantized: QuantizedWeight | None) -> bool:
         return quantized is not None and self.quantized_kernel is not None and weight.device.type == "cpu"

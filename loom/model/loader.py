@@ -1,7 +1,8 @@
 """Load weights, architecture and tokenizer from a GGUF file (default: the bundled SmolLM2) or an HF directory.
 
 GGUF tensors are dequantized with the `gguf` package and renamed to Hugging Face names; weights stored in Q4_0,
-Q4_1, Q5_0 (rewritten as Q8_0), Q8_0 or Q4_K blocks are also kept as those blocks, for the quantized kernel.
+Q4_1, Q5_0 (rewritten as Q8_0), Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks are also kept as those blocks, for the
+quantized kernels.
 Parsing a GGUF header and dequantizing cost several seconds, so the result is cached once as safetensors (under
 $LOOM_CACHE_DIR, default ~/.cache/loom) keyed by the file's path, size and mtime; later loads read the cache.
 """
@@ -30,15 +31,15 @@ from loom.model.rope import ROPE_TYPES
 from loom.model.vml_dispatch import settle_vml_dispatch
 from loom.tokenizer import Tokenizer
 
-_CACHE_FORMAT = 6
+_CACHE_FORMAT = 7
 _QUANTIZED_TAG = "#"  # a cached tensor "name#q4_1" holds weight `name` in its GGUF blocks
 
 
 @dataclass
 class LoadedModel:
     """Everything read from disk: weights under HF names (float32), the architecture, the tokenizer; and from a GGUF
-    file, the weights it stores in Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K blocks once more, as those blocks (Q5_0's as
-    Q8_0)."""
+    file, the weights it stores in blocks the kernels run (quantized.py's BLOCK_BYTES, and Q5_0 as Q8_0) once more,
+    as those blocks."""
 
     name: str
     config: ModelConfig

@@ -1,4 +1,5 @@
-"""GGUF's quantized weights (Q4_0, Q4_1, Q8_0) kept as the file stores them, and repacked for Loom's quantized kernel.
+"""GGUF's quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_1, Q5_K, Q6_K) kept as the file stores them, and repacked for
+Loom's quantized kernel.
 
 A GGUF row of a [out, in] weight is a run of blocks, each 32 weights with a float16 scale d (and for Q4_1 a float16
 offset m): Q4_0 stores 4-bit codes q (w = d (q - 8), 18 bytes a block), Q4_1 too (w = d q + m, 20 bytes), Q8_0
@@ -14,6 +15,12 @@ Q4_K groups 8 blocks of 32 in a super-block of 256 (144 bytes): float16 d and dm
 min m, 4-bit codes q; w = (d sc) q - dmin m. Its kernel records are Q4_1's with float32 scales (`q4_1f`): d sc and
 -dmin m are exact in float32 (11-bit times 6-bit significands), so fma(q, d sc, -dmin m) is gguf's value to the bit;
 6 bits a weight in memory instead of 4.5.
+
+Q5_1 (w = d q + m, 5-bit codes, 24 bytes a block), Q5_K (Q4_K with 5-bit codes, 176 bytes a super-block) and Q6_K
+(16 blocks of 16 with int8 scales sc and one float16 d, w = (d sc) (q - 32), 210 bytes) share one kernel record,
+`q8f`: int8 codes with float32 scales for the block's first and second 16 weights and a float32 offset. Every
+product d q is exact in float32 (at most 11 + 7 + 5 significant bits), so fma(q, d, m) rounds gguf's value once, as
+gguf does (Q6_K's offset is -0.0, so a zero weight keeps gguf's sign); 11 bits a weight in memory.
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ import numpy as np
 import torch
 
 BLOCK = 32  # weights per GGUF block, along in_features
-BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q4_k": 144}  # one block (Q4_K: one super-block) as GGUF stores it
-BLOCK_WEIGHTS = {"q4_0": BLOCK, "q4_1": BLOCK, "q8_0": BLOCK, "q4_k": 256}
-KERNEL_FORMAT = {"q4_0": "q4_1", "q4_1": "q4_1", "q8_0": "q8_0", "q4_k": "q4_1f"}  # the kernel's record layout
+# One block (a K-quant's: one super-block of 256 weights) as GGUF stores it, its weights, the kernel's record layout.
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q4_k": 144, "q5_1": 24, "q5_k": 176, "q6_k": 210}
+BLOCK_WEIGHTS = {"q4_0": BLOCK, "q4_1": BLOCK, "q8_0": BLOCK, "q4_k": 256, "q5_1": BLOCK, "q5_k": 256, "q6_k": 256}
+KERNEL_FORMAT = {"q4_0": "q4_1", "q4_1": "q4_1", "q8_0": "q8_0", "q4_k": "q4_1f", "q5_1": "q8f", "q5_k": "q8f",
+                 "q6_k": "q8f"}
 PANEL_ROWS = 16
 
 
@@ -34,7 +43,7 @@ PANEL_ROWS = 16
 class QuantizedWeight:
     """A [out_features, in_features] weight in GGUF's blocks: `blocks` is uint8 [out_features, in / 32 * bytes]."""
 
-    format: str  # "q4_0" | "q4_1" | "q8_0" | "q4_k"
+    format: str  # a key of BLOCK_BYTES
     blocks: torch.Tensor
 
     def __post_init__(self) -> None:
@@ -82,6 +91,8 @@ def pack_records(weight: QuantizedWeight, step_pairs: bool = False) -> torch.Ten
     an AMX tile's row r, so that csrc/amx_dequantize.h widens them without shuffling."""
     if weight.format == "q4_k":
         return _q4_1f_records(weight, step_pairs)
+    if KERNEL_FORMAT[weight.format] == "q8f":
+        return _q8f_records(weight, step_pairs)
     fmt, out_features = weight.format, weight.out_features
     num_blocks = weight.in_features // BLOCK
     num_panels = -(-out_features // PANEL_ROWS)
@@ -132,6 +143,59 @@ def _q4_1f_records(weight: QuantizedWeight, step_pairs: bool) -> torch.Tensor:
     parts = [np.ascontiguousarray(scales.transpose(0, 2, 1)).view(np.uint8),  # float32, little-endian
              np.ascontiguousarray(offsets.transpose(0, 2, 1)).view(np.uint8),
              step_bytes.reshape(num_panels, num_blocks, -1)]
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)))
+
+
+def _q8f_fields(fmt: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF blocks [n, block bytes] -> per block of 32 weights: scales of its first and second 16 weights, offset
+    (float32 [n, blocks]) and codes (int8 [n, blocks, 32]), as gguf's dequantizers read them."""
+    n = raw.shape[0]
+    if fmt == "q5_1":
+        d = raw[:, 0:2].copy().view(np.float16).astype(np.float32)
+        m = raw[:, 2:4].copy().view(np.float16).astype(np.float32)
+        fifth = (np.ascontiguousarray(raw[:, 4:8]).view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
+        low = np.concatenate([raw[:, 8:24] & 0x0F, raw[:, 8:24] >> 4], axis=-1)
+        codes = (low | (fifth.astype(np.uint8) << 4)).astype(np.int8).reshape(n, 1, BLOCK)
+        return d, d, m, codes
+    if fmt == "q5_k":
+        from gguf.quants import Q4_K
+
+        d = raw[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = raw[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, mins = Q4_K.get_scale_min(raw[:, 4:16])  # [n, 8]
+        scales = d * sc.astype(np.float32)
+        low = (raw[:, 48:].reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+        high = (raw[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+        codes = (low.reshape(n, 8, 32) | (high << 4)).astype(np.int8)
+        return scales, scales, -(dmin * mins.astype(np.float32)), codes
+    # q6_k: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, float16 d
+    d = raw[:, 208:210].copy().view(np.float16).astype(np.float32)
+    scales = (d * raw[:, 192:208].view(np.int8).astype(np.float32)).reshape(n, 8, 2)
+    low = (raw[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (raw[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    codes = (low.reshape(n, 8, 32) | (high.reshape(n, 8, 32) << 4)).astype(np.int8) - np.int8(32)
+    return scales[..., 0], scales[..., 1], np.full((n, 8), -0.0, np.float32), codes
+
+
+def _q8f_records(weight: QuantizedWeight, step_pairs: bool) -> torch.Tensor:
+    """Q5_1, Q5_K, Q6_K as `q8f` records: d[16] float32 (k 0-15) | d[16] float32 (k 16-31) | m[16] float32 | 32
+    steps x 16 int8 codes (Q8_0's layout)."""
+    fmt, out_features = weight.format, weight.out_features
+    per_row = weight.blocks.shape[1] // BLOCK_BYTES[fmt]
+    num_panels = -(-out_features // PANEL_ROWS)
+    raw = np.zeros((num_panels * PANEL_ROWS * per_row, BLOCK_BYTES[fmt]), dtype=np.uint8)
+    raw[: out_features * per_row] = weight.blocks.numpy().reshape(-1, BLOCK_BYTES[fmt])
+    num_blocks = weight.in_features // BLOCK
+    fields = _q8f_fields(fmt, raw)
+
+    def by_column(a: np.ndarray) -> np.ndarray:  # [rows, blocks] -> [panel, block, column] float32 bytes
+        a = a.reshape(num_panels, PANEL_ROWS, num_blocks).transpose(0, 2, 1)
+        return np.ascontiguousarray(a, dtype=np.float32).view(np.uint8)
+
+    codes = fields[3].reshape(num_panels, PANEL_ROWS, num_blocks, BLOCK).transpose(0, 2, 3, 1)  # [.., k, column]
+    if step_pairs:
+        codes = _pairs_of_steps(codes)
+    parts = [*(by_column(a) for a in fields[:3]), codes.reshape(num_panels, num_blocks, -1).view(np.uint8)]
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)))
 
 

@@ -1,4 +1,4 @@
-// GGUF Q4_1 and Q8_0 records (the quantized kernel's layout, documented in quantized_linear.cpp, with each pair of
+// GGUF Q4_1, Q4_1F, Q8_0 and Q8F records (the quantized kernel's layout, documented in quantized_linear.cpp, with each pair of
 // steps' codes interleaved: pack_records(step_pairs=True)) dequantized into AMX weight tiles (amx_linear.cpp's
 // layout): one record, 32 k values of a 16-column panel, becomes one 1 KiB tile whose row r holds, for each column
 // n, the pair W[n][2r], W[n][2r + 1]. With the steps interleaved at load, row r's codes are in that order already
@@ -77,6 +77,47 @@ struct Q8_0Tiles {
       const __m512 low = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)), d_low);
       const __m512 high = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)), d_high);
       store_tile_row(out + 64 * r, low, high);
+    }
+  }
+};
+
+// Q4_K's records: Q4_1's with float32 scales and offsets.
+struct Q4_1FTiles {
+  static constexpr int64_t kRecordBytes = gguf::kQ4_1FRecordBytes;
+  static void tile(const uint8_t* record, void* tile) {
+    const __m512 d = _mm512_loadu_ps(record), m = _mm512_loadu_ps(record + 64);
+    const __m512 d_low = pairs_of_low_columns(d), d_high = pairs_of_high_columns(d);
+    const __m512 m_low = pairs_of_low_columns(m), m_high = pairs_of_high_columns(m);
+    const __m512i nibble = _mm512_set1_epi32(15);
+    auto* out = static_cast<uint8_t*>(tile);
+    for (int r = 0; r < 16; ++r) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 128 + 16 * r));
+      const __m512i codes = _mm512_cvtepu8_epi32(bytes);
+      const __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, nibble)), d_low, m_low);
+      const __m512 high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), d_high, m_high);
+      store_tile_row(out + 64 * r, low, high);
+    }
+  }
+};
+
+// Q5_1, Q5_K and Q6_K's records: Q8_0's codes with float32 scales for steps 0-15 (tile rows 0-7) and 16-31 (rows
+// 8-15), and float32 offsets.
+struct Q8FTiles {
+  static constexpr int64_t kRecordBytes = gguf::kQ8FRecordBytes;
+  static void tile(const uint8_t* record, void* tile) {
+    const __m512 m = _mm512_loadu_ps(record + 128);
+    const __m512 m_low = pairs_of_low_columns(m), m_high = pairs_of_high_columns(m);
+    auto* out = static_cast<uint8_t*>(tile);
+    for (int half = 0; half < 2; ++half) {
+      const __m512 d = _mm512_loadu_ps(record + 64 * half);
+      const __m512 d_low = pairs_of_low_columns(d), d_high = pairs_of_high_columns(d);
+      for (int r = 8 * half; r < 8 * half + 8; ++r) {
+        const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 192 + 32 * r));
+        const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 208 + 32 * r));
+        const __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)), d_low, m_low);
+        const __m512 high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)), d_high, m_high);
+        store_tile_row(out + 64 * r, low, high);
+      }
     }
   }
 };

@@ -61,8 +61,10 @@ constexpr int64_t kSplitBlocks = 8;  // row blocks a thread from which threads s
 
 using bf16 = c10::BFloat16;
 using loom::amx::configure_tiles;
+using loom::amx::Q4_1FTiles;
 using loom::amx::Q4_1Tiles;
 using loom::amx::Q8_0Tiles;
+using loom::amx::Q8FTiles;
 using loom::amx::request_amx;
 
 // Where a row block of x starts and its row stride in bytes: x itself, or a zero-padded copy of its last,
@@ -535,7 +537,7 @@ torch::Tensor amx_silu_mul_linear(const torch::Tensor& x, const torch::Tensor& t
 }
 
 // amx_linear, or gated amx_silu_mul_linear, with W in GGUF records: uint8 [ceil(out_features / 16), in_features / 32,
-// record bytes] in `format` "q4_1" or "q8_0" (loom/model/quantized.py pack_records, step_pairs). The same bits as on
+// record bytes] in `format` "q4_1", "q4_1f", "q8_0" or "q8f" (loom/model/quantized.py pack_records, step_pairs). The same bits as on
 // the weights dequantized to float32 and rounded to bfloat16.
 torch::Tensor amx_quantized_linear(const torch::Tensor& x, const torch::Tensor& records, const std::string& format,
                                    int64_t out_features, const std::optional<torch::Tensor>& bias, bool gated) {
@@ -548,6 +550,8 @@ torch::Tensor amx_quantized_linear(const torch::Tensor& x, const torch::Tensor& 
                        };
                        const uint8_t* data = records.data_ptr<uint8_t>();
                        if (format == "q4_1") run(RecordTiles<Q4_1Tiles>{data, records.size(1)});
+                       else if (format == "q4_1f") run(RecordTiles<Q4_1FTiles>{data, records.size(1)});
+                       else if (format == "q8f") run(RecordTiles<Q8FTiles>{data, records.size(1)});
                        else run(RecordTiles<Q8_0Tiles>{data, records.size(1)});
                      });
 }

@@ -14,6 +14,8 @@
 //   Q4_1F: d[16] float32 | m[16] float32 | the same codes (Q4_K's blocks: d = d_super sc, m = -dmin_super min, both
 //          exact in float32, so fma(q, d, m) is gguf's (d sc) q - dmin min to the bit)
 //   Q8_0:  d[16] float16 | 32 x 16 int8 codes, step k's 16 columns in order
+//   Q8F:   d[16] float32 (steps 0-15) | d[16] float32 (steps 16-31) | m[16] float32 | Q8_0's codes (Q5_1, Q5_K and
+//          Q6_K's blocks: every d q exact in float32, so fma(q, d, m) is gguf's d q + m to the bit)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -62,7 +64,7 @@ struct Q4_1 {
 };
 
 struct Q4_1F {
-  static constexpr int64_t kRecordBytes = 384;
+  static constexpr int64_t kRecordBytes = loom::gguf::kQ4_1FRecordBytes;
   static Scales scales(const uint8_t* record) {
     const float* f = reinterpret_cast<const float*>(record);
     return {_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8), _mm256_loadu_ps(f + 16), _mm256_loadu_ps(f + 24)};
@@ -87,6 +89,27 @@ struct Q8_0 {
   }
 };
 
+// Q8F's scales: columns 0-7 and 8-15 for steps 0-15 (d) and 16-31 (e), and the offsets.
+struct SplitScales {
+  __m256 d0, d1, e0, e1, m0, m1;
+};
+
+struct Q8F {
+  static constexpr int64_t kRecordBytes = loom::gguf::kQ8FRecordBytes;
+  static SplitScales scales(const uint8_t* record) {
+    const float* f = reinterpret_cast<const float*>(record);
+    return {_mm256_loadu_ps(f),      _mm256_loadu_ps(f + 8),  _mm256_loadu_ps(f + 16),
+            _mm256_loadu_ps(f + 24), _mm256_loadu_ps(f + 32), _mm256_loadu_ps(f + 40)};
+  }
+  static void row(const uint8_t* record, int64_t k, const SplitScales& s, __m256& w0, __m256& w1) {
+    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 192 + 16 * k));
+    const bool first = k < 16;
+    w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), first ? s.d0 : s.e0, s.m0);
+    w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(codes, codes))),
+                         first ? s.d1 : s.e1, s.m1);
+  }
+};
+
 // y[0:ROWS, 0:16*PANELS] = x[0:ROWS, :] . PANELS adjacent quantized panels, each weight dequantized in registers as
 // the FMAs need it.
 template <typename F, typename Y, int ROWS, int PANELS>
@@ -99,7 +122,7 @@ void fused_tile(const float* __restrict x, int64_t in_features, const uint8_t* _
     for (int j = 0; j < 2 * PANELS; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < in_features / kBlock; ++b) {
     const uint8_t* record[PANELS];
-    Scales s[PANELS];
+    decltype(F::scales(nullptr)) s[PANELS];
 #pragma GCC unroll 8
     for (int p = 0; p < PANELS; ++p) {
       record[p] = panel + p * panel_bytes + b * F::kRecordBytes;
@@ -144,7 +167,7 @@ template <typename F>
 void dequantize_panel(const uint8_t* panel, int64_t in_features, float* out) {
   for (int64_t b = 0; b < in_features / kBlock; ++b) {
     const uint8_t* record = panel + b * F::kRecordBytes;
-    const Scales s = F::scales(record);
+    const auto s = F::scales(record);
     for (int64_t k = 0; k < kBlock; ++k) {
       __m256 w0, w1;
       F::row(record, k, s, w0, w1);
@@ -211,19 +234,12 @@ void quantized_linear_impl(const X* x, const uint8_t* records, const float* bias
 }  // namespace
 
 // x [rows, in_features] float32 or bfloat16; records uint8 [ceil(out_features / 16), in_features / 32, record bytes]
-// in `format` "q4_1", "q4_1f" or "q8_0" (see the layout above); bias float32 [16 * num_panels] or None -> y [rows,
+// in `format` "q4_1", "q4_1f", "q8_0" or "q8f" (see the layout above); bias float32 [16 * num_panels] or None -> y [rows,
 // out_features] of x's dtype.
 torch::Tensor quantized_linear(const torch::Tensor& x_in, const torch::Tensor& records, const std::string& format,
                                int64_t out_features, const std::optional<torch::Tensor>& bias) {
   check_x(x_in, "quantized_linear");
-  if (format == "q4_1f") {  // this kernel's alone (the AMX kernel does not read it)
-    TORCH_CHECK(records.device().is_cpu() && records.dim() == 3 && records.scalar_type() == torch::kUInt8 &&
-                    records.is_contiguous() && records.size(2) == Q4_1F::kRecordBytes,
-                "records must be a contiguous uint8 [num_panels, in_features / 32, ", Q4_1F::kRecordBytes,
-                "] CPU tensor");
-  } else {
-    loom::gguf::check_records(records, format);
-  }
+  loom::gguf::check_records(records, format);
   TORCH_CHECK(records.size(1) * kBlock == x_in.size(1), "x has ", x_in.size(1), " features, the weight expects ",
               records.size(1) * kBlock);
   TORCH_CHECK(records.size(0) == (out_features + kPanel - 1) / kPanel, "out_features does not match the records");
@@ -241,6 +257,9 @@ torch::Tensor quantized_linear(const torch::Tensor& x_in, const torch::Tensor& r
     } else if (format == "q4_1f") {
       quantized_linear_impl<Q4_1F, X>(x.data_ptr<X>(), data, bias_data, y.data_ptr<X>(), rows, in_features,
                                       out_features);
+    } else if (format == "q8f") {
+      quantized_linear_impl<Q8F, X>(x.data_ptr<X>(), data, bias_data, y.data_ptr<X>(), rows, in_features,
+                                    out_features);
     } else {
       quantized_linear_impl<Q8_0, X>(x.data_ptr<X>(), data, bias_data, y.data_ptr<X>(), rows, in_features,
                                      out_features);
@@ -251,8 +270,8 @@ torch::Tensor quantized_linear(const torch::Tensor& x_in, const torch::Tensor& r
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantized_linear", &quantized_linear,
-        "x @ W^T (+ bias) with W in GGUF Q4_1 or Q8_0 blocks (Q4_0 as Q4_1, Q4_K as Q4_1F), packed in 16-column "
-        "panels (CPU, AVX2)",
+        "x @ W^T (+ bias) with W in GGUF Q4_1 or Q8_0 blocks (Q4_0 as Q4_1, Q4_K as Q4_1F, Q5_1, Q5_K and Q6_K as "
+        "Q8F), packed in 16-column panels (CPU, AVX2)",
         py::arg("x"), py::arg("records"), py::arg("format"), py::arg("out_features"), py::arg("bias") = py::none());
   m.attr("quantized_linear_entry") = loom::entry::export_entry<loom::entry::Matmul>(&quantized_linear);
 }
