@@ -98,7 +98,9 @@ class LLMEngine:
         return (f"dtype {str(self.config.dtype).removeprefix('torch.')}, {self.config.num_threads or torch.get_num_threads()} "
                 f"threads; layer matmuls {type(layers[0]).__name__ if layers else 'none'}, attention "
                 f"{type(self.runner.attention).__name__}; KV cache {blocks} blocks of {spec.block_size} tokens "
-                f"({blocks * spec.bytes_per_block / (1 << 20):.0f} MiB, {blocks * spec.block_size} tokens)")
+                f"({blocks * spec.bytes_per_block / (1 << 20):.0f} MiB, "
+                f"{blocks * spec.block_size // len(spec.groups)} tokens of every layer"
+                f"{f', {len(spec.groups)} groups of {spec.layers_per_block} layers' if len(spec.groups) > 1 else ''})")
 
     @contextmanager
     def observing(self, observer: StepObserver) -> Iterator[None]:
