@@ -42,24 +42,35 @@ inline void store_tile_row(void* row, __m512 low_columns, __m512 high_columns) {
   _mm512_store_si512(row, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high_columns, low_columns)));
 }
 
+// One tile from 4-bit records: 16 scales d and offsets m (float32, one per column) and the codes, row r's 16 bytes
+// being steps 2r and 2r + 1 byte by byte: byte c of a step holds column c's code (low nibble) and column c + 8's
+// (high), so byte j's low nibble is the j-th weight of the tile row's first half and its high nibble the j-th of the
+// second.
+inline void nibble_tile(const uint8_t* codes, __m512 d, __m512 m, void* tile) {
+  const __m512 d_low = pairs_of_low_columns(d), d_high = pairs_of_high_columns(d);
+  const __m512 m_low = pairs_of_low_columns(m), m_high = pairs_of_high_columns(m);
+  const __m512i nibble = _mm512_set1_epi32(15);
+  auto* out = static_cast<uint8_t*>(tile);
+  for (int r = 0; r < 16; ++r) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * r)));
+    const __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, nibble)), d_low, m_low);
+    const __m512 high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d_high, m_high);
+    store_tile_row(out + 64 * r, low, high);
+  }
+}
+
 struct Q4_1Tiles {
   static constexpr int64_t kRecordBytes = gguf::kQ4_1RecordBytes;
-  // Record: byte c of a step holds column c's code (low nibble) and column c + 8's (high). Row r's 16 bytes are
-  // steps 2r and 2r + 1 byte by byte, so byte j's low nibble is the j-th weight of the tile row's first half and its
-  // high nibble the j-th of the second.
   static void tile(const uint8_t* record, void* tile) {
-    const __m512 d = load_half16(record), m = load_half16(record + 32);
-    const __m512 d_low = pairs_of_low_columns(d), d_high = pairs_of_high_columns(d);
-    const __m512 m_low = pairs_of_low_columns(m), m_high = pairs_of_high_columns(m);
-    const __m512i nibble = _mm512_set1_epi32(15);
-    auto* out = static_cast<uint8_t*>(tile);
-    for (int r = 0; r < 16; ++r) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 64 + 16 * r));
-      const __m512i codes = _mm512_cvtepu8_epi32(bytes);
-      const __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, nibble)), d_low, m_low);
-      const __m512 high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), d_high, m_high);
-      store_tile_row(out + 64 * r, low, high);
-    }
+    nibble_tile(record + 64, load_half16(record), load_half16(record + 32), tile);
+  }
+};
+
+// Q4_K's records: Q4_1's with float32 scales and offsets.
+struct Q4_1FTiles {
+  static constexpr int64_t kRecordBytes = gguf::kQ4_1FRecordBytes;
+  static void tile(const uint8_t* record, void* tile) {
+    nibble_tile(record + 128, _mm512_loadu_ps(record), _mm512_loadu_ps(record + 64), tile);
   }
 };
 
@@ -76,25 +87,6 @@ struct Q8_0Tiles {
       // d q is exact in float32 (gguf's d * q): a plain product, so q = 0 gives d's signed zero as gguf does.
       const __m512 low = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)), d_low);
       const __m512 high = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)), d_high);
-      store_tile_row(out + 64 * r, low, high);
-    }
-  }
-};
-
-// Q4_K's records: Q4_1's with float32 scales and offsets.
-struct Q4_1FTiles {
-  static constexpr int64_t kRecordBytes = gguf::kQ4_1FRecordBytes;
-  static void tile(const uint8_t* record, void* tile) {
-    const __m512 d = _mm512_loadu_ps(record), m = _mm512_loadu_ps(record + 64);
-    const __m512 d_low = pairs_of_low_columns(d), d_high = pairs_of_high_columns(d);
-    const __m512 m_low = pairs_of_low_columns(m), m_high = pairs_of_high_columns(m);
-    const __m512i nibble = _mm512_set1_epi32(15);
-    auto* out = static_cast<uint8_t*>(tile);
-    for (int r = 0; r < 16; ++r) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 128 + 16 * r));
-      const __m512i codes = _mm512_cvtepu8_epi32(bytes);
-      const __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, nibble)), d_low, m_low);
-      const __m512 high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), d_high, m_high);
       store_tile_row(out + 64 * r, low, high);
     }
   }
