@@ -13,8 +13,8 @@
 - prefill_interference: p99 inter-token latency of 32 decoding requests while a 4000-token prompt is prefilled,
   per token budget (the chunked-prefill trade-off).
 - agreement: greedy bfloat16 outputs against float32 on the first mixed-workload requests.
-- kv_footprint: the most KV cache one request of C tokens holds at once (its prompt prefilled, one token sampled),
-  against one block table for every layer; below it only where the model has sliding-window layers.
+- kv_footprint: the KV cache one request of C tokens holds in its largest step and while decoding, against one
+  block table for every layer; below it only where the model has sliding-window layers.
 Timings are medians of several runs; nothing here is asserted, only reported.
 """
 
@@ -201,8 +201,8 @@ def prefill(engine: LLMEngine, prompt_tokens: int, peak_gflops: float, repeats: 
 def kv_footprint(engine: LLMEngine, context: int, seed: int = 2) -> dict:
     """One request of `context` tokens alone: its prompt of `context` - 2 prefilled in budget-sized chunks, then one
     decode step, the last token sampled. The blocks it held in its largest step and in its decode step, in MiB,
-    against the blocks one table for every layer would hold at `context` tokens. A sliding-window group holds its window plus the step's chunk, so the peak
-    depends on the token budget too."""
+    against the blocks one table for every layer would hold at `context` tokens. A sliding-window group holds its
+    window plus the step's chunk, so the peak depends on the token budget too."""
     spec = engine.runner.kv_spec
     held: list[int] = []
 
