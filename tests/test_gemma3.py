@@ -4,6 +4,7 @@ against transformers in float32, alone and in batch mixes."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 
 import pytest
@@ -170,3 +171,40 @@ def test_gemma3_runs_speculation_structured_outputs_and_logprobs(gemma3):
     out = llm.generate(prompts[:1], SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, prompt_logprobs=1))[0]
     assert len(out.logprobs) == 3 and out.logprobs[0].token_id == out.token_ids[0]
     assert len(out.prompt_logprobs) == len(out.prompt_token_ids) and out.prompt_logprobs[0] is None
+
+
+@needs_gemma
+@pytest.mark.slow
+def test_gemma3_serves_chat_streams_and_long_prompts_and_gives_its_blocks_back(gemma3):
+    """Through the OpenAI server: a chat in Gemma's turn format, streamed, equal to the engine's own greedy output
+    on the rendered prompt; a prompt three windows long beside it; afterwards every block is back in the pool."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from test_server import _wait_idle, running_server
+
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    rendered = gemma3.tokenizer.apply_chat_template(messages)
+    assert rendered.startswith("<bos><start_of_turn>user\nName three fruits.<end_of_turn>\n<start_of_turn>model\n")
+    prompt_ids = gemma3.tokenizer.encode(rendered, add_special_tokens=False)
+    expected = LLM(dtype="float32", loaded=gemma3).generate(
+        [prompt_ids], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].text
+    long_prompt = " ".join(f"word{i}" for i in range(700))  # ~1500 tokens: past the 512-token window, 3 times
+    with running_server(gemma3, max_num_seqs=4, num_kv_blocks=600) as (base, engine):
+        body = {"messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=120) as client, ThreadPoolExecutor(1) as pool:
+            long_reply = pool.submit(client.post, base + "/v1/completions",
+                                     json={"prompt": long_prompt, "max_tokens": 4})
+            pieces = []
+            with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        delta = json.loads(line[6:])["choices"][0]["delta"]
+                        pieces.append(delta.get("content") or "")
+            long = long_reply.result()
+        assert long.status_code == 200, long.text
+        assert long.json()["usage"]["prompt_tokens"] > 3 * 512
+        assert "".join(pieces) == expected
+        _wait_idle(engine)
+        assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
