@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-from conftest import _save_tiny, greedy, hf_greedy
-from hypothesis import given, settings
+from conftest import _save_tiny, drive, greedy, hf_greedy, make_engine
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loom import LLM
@@ -171,3 +171,48 @@ def test_kv_footprint_figure_counts_what_the_request_held(tiny_gemma3_dir, tiny_
     assert figure["one_table_kv_mib"] == round(75 * block_mib, 2)
     llama = LLM(dtype="float32", loaded=tiny_llama, max_num_batched_tokens=16, num_kv_blocks=200, block_size=4).engine
     assert kv_footprint(llama, 100)["decode_fraction_of_one_table"] == 1.0
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tiny_gemma3_dir):
+    return load_model(tiny_gemma3_dir)
+
+
+@pytest.fixture(scope="module")
+def gemma_alone(tiny_gemma3):
+    """Each request run alone (no prefix cache, a pool for every layer's whole context): the ground truth."""
+    engine = make_engine(tiny_gemma3, max_num_seqs=1, blocks=200, prefix_caching=False)
+    cache: dict[tuple, list[int]] = {}
+
+    def run_alone(prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in cache:
+            rid = engine.add_request(prompt, greedy(max_tokens))
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.request_id == rid and out.finished:
+                        cache[key] = out.token_ids
+        return cache[key]
+
+    return run_alone
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), max_num_seqs=st.integers(1, 5), budget=st.integers(8, 48),
+       blocks=st.integers(20, 90), block_size=st.sampled_from([1, 2, 4, 8]), caching=st.booleans())
+def test_windowed_groups_change_no_output_under_random_mixes(tiny_gemma3, gemma_alone, seed, max_num_seqs, budget,
+                                                             blocks, block_size, caching):
+    """Shared prefixes longer than the window, random arrivals, pools small enough to preempt and evict: every
+    output equals the request run alone, the pool is whole after every step and full at the end."""
+    rng = random.Random(seed)
+    vocab = tiny_gemma3.config.vocab_size
+    prefixes = [[rng.randrange(5, vocab) for _ in range(rng.randint(8, 30))] for _ in range(2)]
+    workload = [(rng.choice(prefixes) + [rng.randrange(5, vocab) for _ in range(rng.randint(0, 8))],
+                 rng.randint(1, 16)) for _ in range(rng.randint(2, 8))]
+    longest = max(len(p) + n for p, n in workload)
+    blocks = max(blocks, 3 * -(-longest // block_size) + 1)  # every request fits the pool alone
+    engine = make_engine(tiny_gemma3, max_num_seqs, budget, blocks, block_size, prefix_caching=caching)
+    done = drive(engine, workload, [rng.randint(0, 20) for _ in workload])
+    for i, (prompt, n) in enumerate(workload):
+        assert done[i] == gemma_alone(prompt, n), f"request {i} differs in the mix"
+    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
