@@ -57,6 +57,24 @@ def test_add_rms_norm_matches_torch(fused, dtype, rows, width):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", [640, 37])
+def test_gemma_rms_norm_matches_torch_on_rows_and_on_each_head(fused, dtype, rows, width):
+    """Rows [T, D] by (1 + weight) [D]; and the q and k heads of a fused qkv row, read in place as [T, G, D] (rows
+    and heads apart in memory) by a weight for each head."""
+    gen = torch.Generator().manual_seed(rows * 10 + width)
+    x = (3 * torch.randn(rows, width, generator=gen)).to(dtype)
+    weight = 1 + 0.3 * torch.randn(width, generator=gen)
+    close_to_torch(fused.gemma_rms_norm(x, weight, 1e-6), TorchLayerOps().gemma_rms_norm(x, weight, 1e-6))
+    qkv = torch.randn(rows, 7 * width, generator=gen).to(dtype)
+    heads = qkv[:, : 5 * width].view(rows, 5, width)
+    head_weights = 1 + 0.3 * torch.randn(5, width, generator=gen)
+    got = fused.gemma_rms_norm(heads, head_weights, 1e-6)
+    assert got.is_contiguous()
+    close_to_torch(got, TorchLayerOps().gemma_rms_norm(heads, head_weights, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("head_dim", [64, 48])  # 48: not whole 16-lane halves, so AVX-512 builds take the scalar code
 def test_rotate_qk_matches_torch(fused, dtype, rows, head_dim):
     gen = torch.Generator().manual_seed(rows)
@@ -133,6 +151,10 @@ def test_fused_ops_reject_what_they_cannot_run(fused):
         fused.add_rms_norm(torch.zeros(2, 8), None, torch.ones(7), 1e-5)
     with pytest.raises(RuntimeError, match="cos and sin"):
         fused.rotate_qk(torch.zeros(2, 64), torch.zeros(2, 16), torch.zeros(2, 16), 2, 32)
+    with pytest.raises(RuntimeError, match="weight must be float32"):
+        fused.gemma_rms_norm(torch.zeros(2, 3, 8), torch.ones(8), 1e-6)  # one weight per head needed
+    with pytest.raises(RuntimeError, match="last dimension contiguous"):
+        fused.gemma_rms_norm(torch.zeros(8, 4).t(), torch.ones(8), 1e-6)
 
 
 def test_unknown_layer_ops_is_a_clear_error():

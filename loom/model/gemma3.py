@@ -4,7 +4,8 @@ own RoPE base and global layers on the full context.
 
 Weights arrive under Hugging Face names (and, from a GGUF file, those it stores in blocks Loom's kernels run, once
 more as those blocks); q/k/v and gate/up are fused at construction. The numerics follow transformers' Gemma 3 op
-for op (norms in float32, RoPE tables computed in float32 then cast), so greedy outputs match.
+for op (norms in float32, RoPE tables computed in float32 then cast), so greedy outputs match; with the fused layer
+ops the norms run in one C++ pass each, equal to torch's but for the summation order of their mean.
 """
 
 from __future__ import annotations
@@ -17,23 +18,17 @@ import torch.nn.functional as F
 from loom.model.attention import AttentionBackend, KVCache
 from loom.model.batch_metadata import BatchMetadata
 from loom.model.config import ModelConfig
-from loom.model.layer_ops import rotate_half
+from loom.model.layer_ops import TorchLayerOps, rotate_half
 from loom.model.linear import Linear, MatmulBackend
 from loom.model.quantized import QuantizedWeight, concat_rows
 from loom.model.rope import rope_table
-
-
-def gemma_rms_norm(x: torch.Tensor, one_plus_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma's RMSNorm, in float32 and scaled by (1 + weight) before the cast back (Llama casts first)."""
-    return (F.rms_norm(x.float(), one_plus_weight.shape, None, eps) * one_plus_weight).to(x.dtype)
 
 
 @dataclass
 class Gemma3Layer:
     input_norm: torch.Tensor  # each norm held as (1 + weight), float32
     qkv: Linear  # hidden -> (H + 2*KVH) * D
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
+    qk_norm: torch.Tensor  # [H + KVH, D]: q's head norm for each q head, then k's for each k head
     o: Linear
     post_attention_norm: torch.Tensor
     pre_mlp_norm: torch.Tensor
@@ -47,9 +42,11 @@ class Gemma3Model:
     """Holds the weights (plain tensors, inference only) and runs one step, as LlamaModel does for its family."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 matmul: MatmulBackend, quantized: dict[str, QuantizedWeight] | None = None) -> None:
+                 matmul: MatmulBackend, ops: TorchLayerOps, quantized: dict[str, QuantizedWeight] | None = None
+                 ) -> None:
         self.config = config
         self.dtype = dtype
+        self.ops = ops  # the norms
         quantized = {} if quantized is None else quantized
 
         def w(name: str) -> torch.Tensor:
@@ -75,8 +72,8 @@ class Gemma3Model:
             self.layers.append(Gemma3Layer(
                 input_norm=norm(p + "input_layernorm.weight"),
                 qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
-                q_norm=norm(p + "self_attn.q_norm.weight"),
-                k_norm=norm(p + "self_attn.k_norm.weight"),
+                qk_norm=torch.cat([norm(p + "self_attn.q_norm.weight").expand(config.num_heads, -1),
+                                   norm(p + "self_attn.k_norm.weight").expand(config.num_kv_heads, -1)]),
                 o=linear(p + "self_attn.o_proj.weight"),
                 post_attention_norm=norm(p + "post_attention_layernorm.weight"),
                 pre_mlp_norm=norm(p + "pre_feedforward_layernorm.weight"),
@@ -97,22 +94,25 @@ class Gemma3Model:
         eps, heads, kv_heads, d = cfg.norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         ropes = {window: tuple(t.index_select(0, meta.positions) for t in table) for window, table in
                  ((None, self.global_rope), (cfg.sliding_window, self.local_rope))}
+        norm, qk_width = self.ops.gemma_rms_norm, (heads + kv_heads) * d
         hidden = self.embed.index_select(0, meta.input_ids) * self.embed_scale
         meta_of_layer = {}  # a layer reads and writes its K/V through its KV cache group's block tables
         for g, group in enumerate(self.kv_groups):
             group_meta = meta.for_kv_group(g)
             meta_of_layer.update(dict.fromkeys(group.layers, group_meta))
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x = gemma_rms_norm(hidden, layer.input_norm, eps)
-            q, k, v = layer.qkv(x).view(meta.num_tokens, -1, d).split_with_sizes([heads, kv_heads, kv_heads], dim=1)
+            qkv = layer.qkv(norm(hidden, layer.input_norm, eps))
+            # Each q and k head normed on its own, all in one call.
+            q, k = norm(qkv[:, :qk_width].view(-1, heads + kv_heads, d), layer.qk_norm, eps).split(
+                [heads, kv_heads], dim=1)
             cos, sin = (t.unsqueeze(1) for t in ropes[layer.window])
-            q, k = gemma_rms_norm(q, layer.q_norm, eps), gemma_rms_norm(k, layer.k_norm, eps)
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-            attn = attention(q, k, v.contiguous(), kv_cache, meta_of_layer[i], self.scale, layer.window)
-            hidden = hidden + gemma_rms_norm(layer.o(attn), layer.post_attention_norm, eps)
-            gate, up = layer.gate_up(gemma_rms_norm(hidden, layer.pre_mlp_norm, eps)).chunk(2, dim=-1)
+            v = qkv[:, qk_width:].contiguous().view(-1, kv_heads, d)
+            attn = attention(q, k, v, kv_cache, meta_of_layer[i], self.scale, layer.window)
+            hidden = hidden + norm(layer.o(attn), layer.post_attention_norm, eps)
+            gate, up = layer.gate_up(norm(hidden, layer.pre_mlp_norm, eps)).chunk(2, dim=-1)
             delta = layer.down(F.gelu(gate, approximate="tanh") * up)
-            hidden = hidden + gemma_rms_norm(delta, layer.post_mlp_norm, eps)
+            hidden = hidden + norm(delta, layer.post_mlp_norm, eps)
         return hidden
 
     def layer_linears(self) -> list[Linear]:
@@ -121,4 +121,4 @@ class Gemma3Model:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for the selected rows only, in the model's dtype (as LlamaModel.compute_logits gives them)."""
-        return self.lm_head(gemma_rms_norm(hidden, self.final_norm, self.config.norm_eps))
+        return self.lm_head(self.ops.gemma_rms_norm(hidden, self.final_norm, self.config.norm_eps))

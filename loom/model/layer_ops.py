@@ -1,4 +1,5 @@
-"""A Llama layer's small ops (RMSNorm with the residual add, RoPE, SwiGLU's SiLU * up): torch ops, or fused kernels.
+"""A layer's small ops (a Llama's RMSNorm with the residual add, RoPE, SwiGLU's SiLU * up; Gemma 3's RMSNorm): torch
+ops, or fused kernels.
 
 `TorchLayerOps` is the reference: transformers' numerics, op for op. `FusedLayerOps` runs each as one pass of Loom's
 C++ kernel on CPU tensors (csrc/layer_ops.cpp), rounding bfloat16 where torch rounds it; on other devices it is
@@ -53,6 +54,11 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gemma_rms_norm(self, x: torch.Tensor, one_plus_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Gemma's RMSNorm over x's last dimension, in float32 and scaled by (1 + weight) before the cast back (Llama
+        casts first); x [T, D] with weight [D], or [T, G, D] with weight [G, D] (each of a row's heads alone)."""
+        return (F.rms_norm(x.float(), x.shape[-1:], None, eps) * one_plus_weight).to(x.dtype)
+
 
 @dataclass
 class FusedLayerOps(TorchLayerOps):
@@ -76,6 +82,11 @@ class FusedLayerOps(TorchLayerOps):
         if not gate_up.is_cpu:
             return super().silu_mul(gate_up)
         return self.kernel.silu_mul(gate_up)
+
+    def gemma_rms_norm(self, x, one_plus_weight, eps):
+        if not x.is_cpu:
+            return super().gemma_rms_norm(x, one_plus_weight, eps)
+        return self.kernel.gemma_rms_norm(x, one_plus_weight, eps)
 
 
 def make_layer_ops(name: str) -> TorchLayerOps:

@@ -50,7 +50,7 @@ class LoadedModel:
     def build(self, dtype: torch.dtype, matmul: MatmulBackend, ops: TorchLayerOps | None = None,
               consume: bool = False):
         """The forward implementation for this architecture, with weights cast to `dtype` and handed to `matmul`;
-        a Llama runs its norms, RoPE and SwiGLU with `ops` (torch's by default).
+        a Llama runs its norms, RoPE and SwiGLU with `ops` (torch's by default), a Gemma 3 its norms.
 
         The model takes each weight out of the dict it is given. With `consume`, that is this LoadedModel's own
         dict, so each original is freed as soon as the model has its own copy (a packed one, say) and the peak
@@ -71,7 +71,7 @@ class LoadedModel:
         if self.config.arch == "llama":
             model = LlamaModel(self.config, weights, dtype, matmul, ops or TorchLayerOps(), quantized)
         elif self.config.arch == "gemma3":
-            model = Gemma3Model(self.config, weights, dtype, matmul, quantized)
+            model = Gemma3Model(self.config, weights, dtype, matmul, ops or TorchLayerOps(), quantized)
         else:
             model = GPT2Model(self.config, weights, dtype, matmul)
         if consume:

@@ -1,5 +1,5 @@
 // A Llama layer's small ops, each fused into one pass over its rows: residual add + RMSNorm, RoPE on q and k in
-// place, SiLU(gate) * up. torch runs each as a chain of 3-10 ops; at one decode row every op costs its dispatch, and
+// place, SiLU(gate) * up; and Gemma 3's RMSNorm. torch runs each as a chain of 3-10 ops; at one decode row every op costs its dispatch, and
 // at 64 rows every op re-reads its input. bfloat16 results are rounded where torch rounds them (after each op of
 // transformers' chain), so they match torch's to the summation order of the norm's mean.
 #include <torch/extension.h>
@@ -137,6 +137,28 @@ void add_rms_norm_impl(T* hidden, const T* delta, const T* weight, T* out, int64
   });
 }
 
+// Gemma's RMSNorm of rows [T, G, D] (G heads of a row each normed alone; G = 1 for the hidden state): in float32,
+// normalized, then times (1 + weight) [G, D] in float32, rounded once to T at the end (transformers' order).
+template <typename T>
+void gemma_rms_norm_impl(const T* x, int64_t token_stride, int64_t head_stride, const float* weight, T* out,
+                         int64_t tokens, int64_t heads, int64_t cols, float eps) {
+  at::parallel_for(0, tokens * heads, grain(cols), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* xr = x + (i / heads) * token_stride + (i % heads) * head_stride;
+      const float* w = weight + (i % heads) * cols;
+      float squares = 0.f;
+      for (int64_t c = 0; c < cols; ++c) {
+        const float v = widen(xr[c]);
+        squares += v * v;
+      }
+      // In double: -ffast-math would turn a float 1/sqrt into an approximate reciprocal square root.
+      const float inv_rms = static_cast<float>(1.0 / std::sqrt(static_cast<double>(squares / cols + eps)));
+      T* o = out + i * cols;
+      for (int64_t c = 0; c < cols; ++c) o[c] = narrow<T>(w[c] * (widen(xr[c]) * inv_rms));
+    }
+  });
+}
+
 // x * cos + rotate_half(x) * sin for one head, rotate_half(x) = (-x2, x1): each product rounded, then the sum.
 template <typename T>
 inline void rotate_head(T* x, const T* c, const T* s, int64_t half) {
@@ -233,6 +255,25 @@ torch::Tensor add_rms_norm(torch::Tensor& hidden, const std::optional<torch::Ten
   return out;
 }
 
+// x [T, D] or [T, G, D] (a row's heads, may be a view with rows and heads apart; each head contiguous), weight float32
+// [D] or [G, D] holding (1 + Gemma's weight) -> Gemma's RMSNorm of each row (or head) as a new contiguous tensor.
+torch::Tensor gemma_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && (x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1,
+              "x must be a CPU tensor [T, D] or [T, G, D] with its last dimension contiguous");
+  const int64_t heads = x.dim() == 3 ? x.size(1) : 1, cols = x.size(-1);
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.numel() == heads * cols &&
+                  weight.size(-1) == cols,
+              "weight must be float32 [D] or [G, D] matching x");
+  auto w = weight.contiguous();
+  auto out = torch::empty(x.sizes(), x.options());
+  by_dtype(x, "gemma_rms_norm", [&](auto* typed) {
+    using T = std::remove_pointer_t<decltype(typed)>;
+    gemma_rms_norm_impl<T>(x.data_ptr<T>(), x.stride(0), x.dim() == 3 ? x.stride(1) : 0, w.data_ptr<float>(),
+                           out.data_ptr<T>(), x.size(0), heads, cols, static_cast<float>(eps));
+  });
+  return out;
+}
+
 // Rotates the first `heads` heads of each row of qkv [T, W] in place; cos, sin [T, head_dim] are the rows' angles.
 void rotary_(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
              int64_t head_dim) {
@@ -267,6 +308,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "hidden += delta (in place, if given); returns RMSNorm(hidden) * weight");
   m.def("rotary_", &rotary_, "RoPE on the first heads of each row, in place");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
+  m.def("gemma_rms_norm", &gemma_rms_norm, "Gemma's RMSNorm by (1 + weight) in float32, of rows or of their heads");
   m.attr("add_rms_norm_entry") = loom::entry::export_entry<loom::entry::AddRmsNorm>(&add_rms_norm);
   m.attr("rotary_entry") = loom::entry::export_entry<loom::entry::Rotary>(&rotary_);
   m.attr("silu_mul_entry") = loom::entry::export_entry<loom::entry::SiluMul>(&silu_mul);
