@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -193,10 +194,9 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="session")
-def alone_outputs(tiny_llama):
-    """Each request run alone (no prefix cache): the ground truth every batch mix must reproduce."""
-    engine = make_engine(tiny_llama, max_num_seqs=1, prefix_caching=False)
+def alone_runner(loaded, blocks: int = 128) -> Callable[[list[int], int], list[int]]:
+    """Each request run alone (no prefix cache), each answer kept: the ground truth every batch mix must reproduce."""
+    engine = make_engine(loaded, max_num_seqs=1, blocks=blocks, prefix_caching=False)
     cache: dict[tuple, list[int]] = {}
 
     def run_alone(prompt: list[int], max_tokens: int) -> list[int]:
@@ -210,6 +210,11 @@ def alone_outputs(tiny_llama):
         return cache[key]
 
     return run_alone
+
+
+@pytest.fixture(scope="session")
+def alone_outputs(tiny_llama):
+    return alone_runner(tiny_llama)
 
 
 def drive(engine: LLMEngine, workload, arrivals: list[int], check_steps: bool = True) -> dict[int, list[int]]:

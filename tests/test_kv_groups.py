@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import _save_tiny, drive, greedy, hf_greedy, make_engine
+from conftest import _save_tiny, alone_runner, drive, greedy, hf_greedy, make_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -180,21 +180,7 @@ def tiny_gemma3(tiny_gemma3_dir):
 
 @pytest.fixture(scope="module")
 def gemma_alone(tiny_gemma3):
-    """Each request run alone (no prefix cache, a pool for every layer's whole context): the ground truth."""
-    engine = make_engine(tiny_gemma3, max_num_seqs=1, blocks=200, prefix_caching=False)
-    cache: dict[tuple, list[int]] = {}
-
-    def run_alone(prompt: list[int], max_tokens: int) -> list[int]:
-        key = (tuple(prompt), max_tokens)
-        if key not in cache:
-            rid = engine.add_request(prompt, greedy(max_tokens))
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.request_id == rid and out.finished:
-                        cache[key] = out.token_ids
-        return cache[key]
-
-    return run_alone
+    return alone_runner(tiny_gemma3, blocks=200)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
