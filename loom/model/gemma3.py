@@ -20,7 +20,7 @@ from loom.model.batch_metadata import BatchMetadata
 from loom.model.config import ModelConfig
 from loom.model.layer_ops import TorchLayerOps, rotate_half
 from loom.model.linear import Linear, MatmulBackend
-from loom.model.quantized import QuantizedWeight, concat_rows
+from loom.model.quantized import QuantizedWeight, take_blocks
 from loom.model.rope import rope_table
 
 
@@ -56,9 +56,8 @@ class Gemma3Model:
             return 1.0 + weights.pop(name).float()
 
         def linear(*names: str) -> Linear:
-            blocks = [quantized.pop(n, None) for n in names]
             dense = w(names[0]) if len(names) == 1 else torch.cat([w(n) for n in names])
-            return matmul.linear(dense, None, None if any(b is None for b in blocks) else concat_rows(blocks))
+            return matmul.linear(dense, None, take_blocks(quantized, names))
 
         self.embed = w("model.embed_tokens.weight")
         self.embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype)

@@ -20,7 +20,7 @@ from loom.model.layer_loop import LayerLoop
 from loom.model.layer_ops import TorchLayerOps, rms_norm
 from loom.model.linear import Linear, MatmulBackend, SiluMulAfter, SiluMulLinear
 from loom.model.llama_layer import LlamaLayer
-from loom.model.quantized import QuantizedWeight, concat_rows
+from loom.model.quantized import QuantizedWeight, take_blocks
 from loom.model.rope import rope_table
 
 # A step's MLP runs in chunks of this many rows a thread, so a chunk's gate/up product (256 x 2I: 1.5 MiB for
@@ -46,18 +46,13 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return weights.pop(name).to(dtype)
 
-        def blocks_of(*names: str) -> QuantizedWeight | None:
-            """The named weights' GGUF blocks stacked by rows, when all of them have theirs."""
-            blocks = [quantized.pop(n, None) for n in names]
-            return None if any(b is None for b in blocks) else concat_rows(blocks)
-
         def linear(*names: str, bias: torch.Tensor | None = None) -> Linear:
             """The named weights stacked by rows as one Linear; in GGUF blocks when all of them have theirs."""
             dense = w(names[0]) if len(names) == 1 else torch.cat([w(n) for n in names])
-            return matmul.linear(dense, bias, blocks_of(*names))
+            return matmul.linear(dense, bias, take_blocks(quantized, names))
 
         def silu_mul_linear(gate: str, up: str) -> SiluMulLinear:
-            return matmul.silu_mul_linear(w(gate), w(up), None, blocks_of(gate, up), ops.silu_mul)
+            return matmul.silu_mul_linear(w(gate), w(up), None, take_blocks(quantized, (gate, up)), ops.silu_mul)
 
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         head_blocks = quantized.pop(head, None)

@@ -25,6 +25,7 @@ gguf does (Q6_K's offset is -0.0, so a zero weight keeps gguf's sign); 11 bits a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +69,13 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
     if len(formats) != 1:
         return None
     return QuantizedWeight(formats.pop(), torch.cat([w.blocks for w in weights]))
+
+
+def take_blocks(quantized: dict[str, QuantizedWeight], names: Sequence[str]) -> QuantizedWeight | None:
+    """The named weights' GGUF blocks, taken out of `quantized` and stacked by rows (fused q/k/v, gate/up), when all
+    of them have theirs."""
+    blocks = [quantized.pop(n, None) for n in names]
+    return None if any(b is None for b in blocks) else concat_rows(blocks)
 
 
 def q8_0_from_q5_0(blocks: np.ndarray) -> np.ndarray:
