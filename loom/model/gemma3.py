@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from loom.model.attention import AttentionBackend, KVCache
 from loom.model.batch_metadata import BatchMetadata
 from loom.model.config import ModelConfig
-from loom.model.layer_ops import TorchLayerOps, rotate_half
+from loom.model.layer_ops import TorchLayerOps
 from loom.model.linear import Linear, MatmulBackend
 from loom.model.quantized import QuantizedWeight, take_blocks
 from loom.model.rope import rope_table
@@ -46,7 +46,7 @@ class Gemma3Model:
                  ) -> None:
         self.config = config
         self.dtype = dtype
-        self.ops = ops  # the norms
+        self.ops = ops  # the norms and RoPE
         quantized = {} if quantized is None else quantized
 
         def w(name: str) -> torch.Tensor:
@@ -101,11 +101,11 @@ class Gemma3Model:
             meta_of_layer.update(dict.fromkeys(group.layers, group_meta))
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             qkv = layer.qkv(norm(hidden, layer.input_norm, eps))
-            # Each q and k head normed on its own, all in one call.
-            q, k = norm(qkv[:, :qk_width].view(-1, heads + kv_heads, d), layer.qk_norm, eps).split(
-                [heads, kv_heads], dim=1)
-            cos, sin = (t.unsqueeze(1) for t in ropes[layer.window])
-            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            # Each q and k head normed on its own, then all of them rotated: one call each.
+            qk = norm(qkv[:, :qk_width].view(-1, heads + kv_heads, d), layer.qk_norm, eps).view(-1, qk_width)
+            qk = self.ops.rotate_qk(qk, *ropes[layer.window], heads + kv_heads, d)
+            q = qk[:, : heads * d].contiguous().view(-1, heads, d)
+            k = qk[:, heads * d :].contiguous().view(-1, kv_heads, d)
             v = qkv[:, qk_width:].contiguous().view(-1, kv_heads, d)
             attn = attention(q, k, v, kv_cache, meta_of_layer[i], self.scale, layer.window)
             hidden = hidden + norm(layer.o(attn), layer.post_attention_norm, eps)

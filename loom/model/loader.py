@@ -50,7 +50,7 @@ class LoadedModel:
     def build(self, dtype: torch.dtype, matmul: MatmulBackend, ops: TorchLayerOps | None = None,
               consume: bool = False):
         """The forward implementation for this architecture, with weights cast to `dtype` and handed to `matmul`;
-        a Llama runs its norms, RoPE and SwiGLU with `ops` (torch's by default), a Gemma 3 its norms.
+        a Llama runs its norms, RoPE and SwiGLU with `ops` (torch's by default), a Gemma 3 its norms and RoPE.
 
         The model takes each weight out of the dict it is given. With `consume`, that is this LoadedModel's own
         dict, so each original is freed as soon as the model has its own copy (a packed one, say) and the peak
