@@ -1,22 +1,127 @@
 // Sliding-window attention straight from the paged KV cache, for a model's local layers (Gemma 3's): each query row
-// at position p sees keys (p - window, p]. One work item is one query row and one KV head; it walks its keys in
-// position order with an online softmax in float32 and rounds once at the end. A row's result depends on its own
-// position and context only, never on which rows share its step, chunk or thread: a prompt prefilled whole, in
-// chunks, or beside any other requests gives the same bits, and its decode rows the same as if computed in prefill.
+// at position p sees keys (p - window, p]. One work item is one query row and one KV head: it walks its keys in tiles
+// of kTile positions aligned to multiples of kTile (the first tile starts at the window's first key), with an online
+// softmax in float32 rescaled once a tile, and rounds once at the end. A tile's scores take the KV head's query heads
+// together, so each key and value is read once for all of them, 16 lanes at a time. The tiles depend on the row's
+// own position only, so its result does too, never on which rows share its step, chunk or thread: a prompt
+// prefilled whole, in chunks, or beside any other requests gives the same bits, and its decode rows the same as if
+// computed in prefill.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "bfloat16.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
 using loom::widen;
+
+constexpr int64_t kTile = 16;  // keys a tile: one score vector per query head
+constexpr int kMaxHeadsTogether = 4;  // query heads of one KV head scored together (registers for their sums)
+
+typedef float V16 __attribute__((vector_size(kTile * sizeof(float))));
+typedef int32_t I16 __attribute__((vector_size(kTile * sizeof(int32_t))));
+
+inline V16 load16(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// 16 bfloat16s widened to float32 (exact).
+inline V16 load16(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return reinterpret_cast<V16>(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+#else
+  typedef uint16_t H16 __attribute__((vector_size(kTile * sizeof(uint16_t))));
+  typedef uint32_t U16 __attribute__((vector_size(kTile * sizeof(uint32_t))));
+  H16 bits;
+  std::memcpy(&bits, p, sizeof bits);
+  const U16 wide = __builtin_convertvector(bits, U16) << 16;
+  V16 v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+#endif
+}
+
+inline void store16(float* p, V16 v) { std::memcpy(p, &v, sizeof v); }
+
+inline float sum16(V16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
+  float s = 0.f;
+  for (int i = 0; i < kTile; ++i) s += v[i];
+  return s;
+#endif
+}
+
+inline float max16(V16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
+#else
+  float m = v[0];
+  for (int i = 1; i < kTile; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+#endif
+}
+
+// scores[g * kTile + j] = scale * (query head g . key j) for G query heads (rows of `query`, head_dim apart) and the
+// tile's n keys.
+template <int G, typename T>
+void score_keys(const float* query, const T* const* keys, int64_t n, int64_t head_dim, float scale, float* scores) {
+  const int64_t vector_end = head_dim / kTile * kTile;
+  for (int64_t j = 0; j < n; ++j) {
+    const T* k = keys[j];
+    V16 dot[G] = {};
+    for (int64_t d = 0; d < vector_end; d += kTile) {
+      const V16 kv = load16(k + d);
+      for (int g = 0; g < G; ++g) dot[g] += load16(query + g * head_dim + d) * kv;
+    }
+    for (int g = 0; g < G; ++g) {
+      float s = sum16(dot[g]);
+      for (int64_t d = vector_end; d < head_dim; ++d) s += query[g * head_dim + d] * widen(k[d]);
+      scores[g * kTile + j] = s * scale;
+    }
+  }
+}
+
+// acc[g] = acc[g] * rescale[g] + sum over the tile's n values of weights[g * kTile + j] * value j, for G heads.
+template <int G, typename T>
+void accumulate_values(float* acc, const float* rescale, const float* weights, const T* const* values, int64_t n,
+                       int64_t head_dim) {
+  const int64_t vector_end = head_dim / kTile * kTile;
+  for (int64_t d = 0; d < vector_end; d += kTile) {
+    V16 sum[G];
+    for (int g = 0; g < G; ++g) sum[g] = load16(acc + g * head_dim + d) * rescale[g];
+    for (int64_t j = 0; j < n; ++j) {
+      const V16 v = load16(values[j] + d);
+      for (int g = 0; g < G; ++g) sum[g] += weights[g * kTile + j] * v;
+    }
+    for (int g = 0; g < G; ++g) store16(acc + g * head_dim + d, sum[g]);
+  }
+  for (int64_t d = vector_end; d < head_dim; ++d)
+    for (int g = 0; g < G; ++g) {
+      float a = acc[g * head_dim + d] * rescale[g];
+      for (int64_t j = 0; j < n; ++j) a += weights[g * kTile + j] * widen(values[j][d]);
+      acc[g * head_dim + d] = a;
+    }
+}
+
+// One work item's query heads in runs of up to kMaxHeadsTogether, each run's count a compile-time constant.
+template <typename F>
+void by_head_runs(int64_t heads, F&& run) {
+  int64_t g = 0;
+  for (; g + kMaxHeadsTogether <= heads; g += kMaxHeadsTogether) run(g, std::integral_constant<int, kMaxHeadsTogether>{});
+  for (; g < heads; ++g) run(g, std::integral_constant<int, 1>{});
+}
 
 template <typename T>
 void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -42,7 +147,10 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * head_dim), acc(group * head_dim), score_max(group), total(group);
+    std::vector<float> query(group * head_dim), acc(group * head_dim), score_max(group), total(group),
+        rescale(group), scores(group * kTile);
+    const T* keys[kTile];
+    const T* values[kTile];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / num_kv_heads, kv_head = item % num_kv_heads, seq = row_seq[row];
       const int64_t position = lens[seq] - (starts[seq + 1] - row);  // the row's own position in its sequence
@@ -51,26 +159,36 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
         for (int64_t d = 0; d < head_dim; ++d)
           query[g * head_dim + d] = widen(qp[(row * num_heads + kv_head * group + g) * head_dim + d]);
       std::fill(acc.begin(), acc.end(), 0.0f);
-      // The lowest finite float, not -inf: -ffast-math assumes no infinities. exp(lowest - s) is 0 all the same.
-      std::fill(score_max.begin(), score_max.end(), std::numeric_limits<float>::lowest());
+      std::fill(score_max.begin(), score_max.end(), loom::kMasked);  // no key yet: exp(kMasked - s) is 0
       std::fill(total.begin(), total.end(), 0.0f);
       const int64_t* table = tables + seq * table_width;
-      for (int64_t key = first; key <= position; ++key) {
-        const int64_t block = table[key / block_size], offset = key % block_size;
-        const T* k = kp + block * kb + offset * kr + kv_head * kh;
-        const T* v = vp + block * vb + offset * vr + kv_head * vh;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = query.data() + g * head_dim;
-          float dot = 0.0f;
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * widen(k[d]);
-          const float s = dot * fscale;
-          const float new_max = std::max(score_max[g], s);
-          const float rescale = std::exp(score_max[g] - new_max), weight = std::exp(s - new_max);
-          score_max[g] = new_max;
-          total[g] = total[g] * rescale + weight;
-          float* ag = acc.data() + g * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) ag[d] = ag[d] * rescale + weight * widen(v[d]);
+      for (int64_t tile = first; tile <= position;) {
+        const int64_t tile_end = std::min(position + 1, (tile / kTile + 1) * kTile), n = tile_end - tile;
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t key = tile + j, block = table[key / block_size], offset = key % block_size;
+          keys[j] = kp + block * kb + offset * kr + kv_head * kh;
+          values[j] = vp + block * vb + offset * vr + kv_head * vh;
         }
+        by_head_runs(group, [&](int64_t g, auto heads) {
+          score_keys<decltype(heads)::value>(query.data() + g * head_dim, keys, n, head_dim, fscale,
+                                             scores.data() + g * kTile);
+        });
+        for (int64_t g = 0; g < group; ++g) {  // the tile's softmax weights, the lanes past n masked to 0
+          float* s = scores.data() + g * kTile;
+          for (int64_t j = n; j < kTile; ++j) s[j] = loom::kMasked;
+          const V16 tile_scores = load16(s);
+          const float new_max = std::max(score_max[g], max16(tile_scores));
+          rescale[g] = std::exp(score_max[g] - new_max);
+          const V16 weights = loom::exp_nonpositive_lanes<V16, I16>(tile_scores - new_max);
+          store16(s, weights);
+          total[g] = total[g] * rescale[g] + sum16(weights);
+          score_max[g] = new_max;
+        }
+        by_head_runs(group, [&](int64_t g, auto heads) {
+          accumulate_values<decltype(heads)::value>(acc.data() + g * head_dim, rescale.data() + g,
+                                                    scores.data() + g * kTile, values, n, head_dim);
+        });
+        tile = tile_end;
       }
       for (int64_t g = 0; g < group; ++g) {
         T* o = op + (row * num_heads + kv_head * group + g) * head_dim;
