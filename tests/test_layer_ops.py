@@ -129,6 +129,20 @@ def test_silu_mul_gives_torchs_bits_for_every_bfloat16_gate(fused):
         assert torch.equal(got, TorchLayerOps().silu_mul(gate_up))
 
 
+def test_gelu_tanh_mul_gives_torchs_bits_for_every_bfloat16_gate(fused):
+    """GeGLU's bfloat16 product by the table: every finite bfloat16 gate (rows of 64: whole vectors of torch's loop),
+    times an up of 1 and of 3, and random rows as wide as Gemma 3 270M's MLP: torch's bits."""
+    gate = every_finite_bfloat16().view(-1, 64)
+    for up_value in (1.0, 3.0):
+        gate_up = torch.cat([gate, torch.full_like(gate, up_value)], dim=1)
+        assert torch.equal(fused.kernel.bf16_table_mul(gate_up, fused.bf16_gelu_tanh_table),
+                           TorchLayerOps().gelu_tanh_mul(gate_up))
+    gen = torch.Generator().manual_seed(7)
+    for rows in ROWS:
+        gate_up = (4 * torch.randn(rows, 2 * 2048, generator=gen)).bfloat16()
+        assert torch.equal(fused.gelu_tanh_mul(gate_up), TorchLayerOps().gelu_tanh_mul(gate_up))
+
+
 def test_float32_silu_is_within_a_few_ulp(fused):
     """The float32 SiLU (its own e^x) against SiLU in double; and 0 where torch's e^-x overflows float32."""
     gate = torch.linspace(-88.5, 100, 200_001)
@@ -155,6 +169,10 @@ def test_fused_ops_reject_what_they_cannot_run(fused):
         fused.gemma_rms_norm(torch.zeros(2, 3, 8), torch.ones(8), 1e-6)  # one weight per head needed
     with pytest.raises(RuntimeError, match="last dimension contiguous"):
         fused.gemma_rms_norm(torch.zeros(8, 4).t(), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="gate_up must be bfloat16"):
+        fused.kernel.bf16_table_mul(torch.zeros(2, 128), fused.bf16_gelu_tanh_table)
+    with pytest.raises(RuntimeError, match="table must be"):
+        fused.kernel.bf16_table_mul(torch.zeros(2, 128, dtype=torch.bfloat16), torch.zeros(10, dtype=torch.bfloat16))
 
 
 def test_unknown_layer_ops_is_a_clear_error():

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from loom.model.attention import AttentionBackend, KVCache
 from loom.model.batch_metadata import BatchMetadata
@@ -46,7 +45,7 @@ class Gemma3Model:
                  ) -> None:
         self.config = config
         self.dtype = dtype
-        self.ops = ops  # the norms and RoPE
+        self.ops = ops  # the norms, RoPE and GeGLU's product
         quantized = {} if quantized is None else quantized
 
         def w(name: str) -> torch.Tensor:
@@ -109,8 +108,7 @@ class Gemma3Model:
             v = qkv[:, qk_width:].contiguous().view(-1, kv_heads, d)
             attn = attention(q, k, v, kv_cache, meta_of_layer[i], self.scale, layer.window)
             hidden = hidden + norm(layer.o(attn), layer.post_attention_norm, eps)
-            gate, up = layer.gate_up(norm(hidden, layer.pre_mlp_norm, eps)).chunk(2, dim=-1)
-            delta = layer.down(F.gelu(gate, approximate="tanh") * up)
+            delta = layer.down(self.ops.gelu_tanh_mul(layer.gate_up(norm(hidden, layer.pre_mlp_norm, eps))))
             hidden = hidden + norm(delta, layer.post_mlp_norm, eps)
         return hidden
 

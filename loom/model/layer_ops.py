@@ -1,5 +1,5 @@
-"""A layer's small ops (a Llama's RMSNorm with the residual add, RoPE, SwiGLU's SiLU * up; Gemma 3's RMSNorm): torch
-ops, or fused kernels.
+"""A layer's small ops (a Llama's RMSNorm with the residual add, RoPE, SwiGLU's SiLU * up; Gemma 3's RMSNorm and
+GeGLU's GELU * up): torch ops, or fused kernels.
 
 `TorchLayerOps` is the reference: transformers' numerics, op for op. `FusedLayerOps` runs each as one pass of Loom's
 C++ kernel on CPU tensors (csrc/layer_ops.cpp), rounding bfloat16 where torch rounds it; on other devices it is
@@ -9,6 +9,7 @@ the torch ops.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from types import ModuleType
 
 import torch
@@ -54,6 +55,11 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU's GELU(gate) * up, GELU by its tanh approximation; gate_up [T, 2I] holds gate, then up."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def gemma_rms_norm(self, x: torch.Tensor, one_plus_weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Gemma's RMSNorm over x's last dimension, in float32 and scaled by (1 + weight) before the cast back (Llama
         casts first); x [T, D] with weight [D], or [T, G, D] with weight [G, D] (each of a row's heads alone)."""
@@ -82,6 +88,20 @@ class FusedLayerOps(TorchLayerOps):
         if not gate_up.is_cpu:
             return super().silu_mul(gate_up)
         return self.kernel.silu_mul(gate_up)
+
+    @cached_property
+    def bf16_gelu_tanh_table(self) -> torch.Tensor:
+        """torch's bfloat16 GELU (tanh) of every bfloat16 value, indexed by its bits, and one entry of padding: the
+        values of torch's vectorized loop, which covers whole rows whose width is a multiple of 64 (its scalar tail
+        rounds a few tiny values otherwise)."""
+        every_value = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(torch.bfloat16)
+        return torch.cat([F.gelu(every_value, approximate="tanh"), torch.zeros(1, dtype=torch.bfloat16)])
+
+    def gelu_tanh_mul(self, gate_up):
+        # float32's GELU is no table, and a width torch's vector loop does not cover would part from its bits.
+        if not gate_up.is_cpu or gate_up.dtype != torch.bfloat16 or gate_up.shape[-1] % 128:
+            return super().gelu_tanh_mul(gate_up)
+        return self.kernel.bf16_table_mul(gate_up, self.bf16_gelu_tanh_table)
 
     def gemma_rms_norm(self, x, one_plus_weight, eps):
         if not x.is_cpu:

@@ -229,7 +229,7 @@ void store_tile_pair(const float* sums, const float* bias, int64_t rows, bf16* y
 // A gated panel's sums (+ bias): columns 0-7 gate, 8-15 up (interleave_gate_up in linear.py) -> SiLU(gate) * up, 8
 // bfloat16 columns of y (row stride width), with the bits of gate and up rounded to bfloat16 (as store_tile_pair
 // rounds) and then silu_mul: two rows at a time. Both rows are rounded by one VCVTNE2PS2BF16; one word permute (zeros
-// in the other halves) makes the gates' table indices and another the ups as float32, for silu.h's silu_mul16 (its
+// in the other halves) makes the gates' table indices and another the ups as float32, for silu.h's table_mul16 (its
 // product rounded by VCVTNEPS2BF16, a float32 denormal one by the integer steps).
 void store_gated_tile(const float* sums, const float* bias, int64_t rows, const uint16_t* silu_table, bf16* y,
                       int64_t width) {
@@ -246,7 +246,7 @@ void store_gated_tile(const float* sums, const float* bias, int64_t rows, const 
     const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second, first));
     const __m512i gates = _mm512_maskz_permutexvar_epi16(0x55555555u, gate_words, both);
     const __m512 ups = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xaaaaaaaau, up_words, both));
-    const __m256i out = loom::silu_mul16(silu_table, gates, ups);
+    const __m256i out = loom::table_mul16(silu_table, gates, ups);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(y + r * width), _mm256_castsi256_si128(out));
     if (r + 1 < rows)
       _mm_storeu_si128(reinterpret_cast<__m128i*>(y + (r + 1) * width), _mm256_extracti128_si256(out, 1));

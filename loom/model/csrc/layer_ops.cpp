@@ -223,7 +223,7 @@ void silu_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t width) {
     auto* out_bits = reinterpret_cast<uint16_t*>(out);
     at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
-        loom::silu_mul_row_bf16(table, bits + r * 2 * width, bits + r * 2 * width + width, out_bits + r * width, width);
+        loom::table_mul_row_bf16(table, bits + r * 2 * width, bits + r * 2 * width + width, out_bits + r * width, width);
     });
   }
 }
@@ -304,10 +304,34 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
+// gate_up [T, 2I] bfloat16 (gate then up), table [65537] bfloat16 (an activation of each bfloat16 value, indexed by
+// its bits, one entry of padding) -> table[gate] * up [T, I], rounded once: for an activation that torch computes in
+// float32 and rounds to bfloat16, its bits (the table is torch's own output, built once), and torch's product's.
+torch::Tensor bf16_table_mul(const torch::Tensor& gate_up, const torch::Tensor& table) {
+  check_cpu_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16 && gate_up.size(1) % 2 == 0,
+              "gate_up must be bfloat16, gate and up side by side");
+  TORCH_CHECK(table.scalar_type() == torch::kBFloat16 && table.dim() == 1 && table.size(0) == 65537 &&
+                  table.is_contiguous(),
+              "table must be a contiguous bfloat16 [65537]: one entry a bfloat16 value, and one of padding");
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, width}, gate_up.options());
+  const auto* entries = reinterpret_cast<const uint16_t*>(table.data_ptr<c10::BFloat16>());
+  const auto* bits = reinterpret_cast<const uint16_t*>(gate_up.data_ptr<c10::BFloat16>());
+  auto* out_bits = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      loom::table_mul_row_bf16(entries, bits + r * 2 * width, bits + r * 2 * width + width, out_bits + r * width,
+                              width);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "hidden += delta (in place, if given); returns RMSNorm(hidden) * weight");
   m.def("rotary_", &rotary_, "RoPE on the first heads of each row, in place");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
+  m.def("bf16_table_mul", &bf16_table_mul, "table[gate] * up for bfloat16 gate and up: a tabulated activation's GLU");
   m.def("gemma_rms_norm", &gemma_rms_norm, "Gemma's RMSNorm by (1 + weight) in float32, of rows or of their heads");
   m.attr("add_rms_norm_entry") = loom::entry::export_entry<loom::entry::AddRmsNorm>(&add_rms_norm);
   m.attr("rotary_entry") = loom::entry::export_entry<loom::entry::Rotary>(&rotary_);

@@ -1,5 +1,6 @@
 // SiLU(gate) * up with torch's bits, shared by the fused layer op (layer_ops.cpp) and the AMX matmul that ends in it
-// (amx_linear.cpp, a gate/up projection's epilogue).
+// (amx_linear.cpp, a gate/up projection's epilogue); the bfloat16 product goes by a table, which another activation's
+// table may take (layer_ops.cpp's bf16_table_mul, for Gemma 3's GeGLU).
 #pragma once
 
 #include "bfloat16.h"
@@ -97,22 +98,23 @@ inline const uint16_t* bf16_silu_table() {
   return table.data();
 }
 
-// SiLU(gate) * up for bfloat16 bits: the table's SiLU times up (exact in float32), rounded once, as torch rounds it.
-inline uint16_t silu_mul_bits(const uint16_t* table, uint16_t gate, uint16_t up) {
-  c10::BFloat16 silu, u;
-  silu.x = table[gate];
+// act(gate) * up for bfloat16 bits, act a table indexed by the gate's bits (bf16_silu_table, or another activation's,
+// layer_ops.cpp's bf16_table_mul): the table's value times up (exact in float32), rounded once, as torch rounds it.
+inline uint16_t table_mul_bits(const uint16_t* table, uint16_t gate, uint16_t up) {
+  c10::BFloat16 act, u;
+  act.x = table[gate];
   u.x = up;
-  return narrow<c10::BFloat16>(widen(silu) * widen(u)).x;
+  return narrow<c10::BFloat16>(widen(act) * widen(u)).x;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// Sixteen lanes of silu_mul_bits from the gates' bits zero-extended to 32 (the table indices) and the ups' widened to
-// float32: the gate's SiLU gathered from the table (4 bytes at byte 2 * gate, the low half kept), widened,
+// Sixteen lanes of table_mul_bits from the gates' bits zero-extended to 32 (the table indices) and the ups' widened to
+// float32: the gate's activation gathered from the table (4 bytes at byte 2 * gate, the low half kept), widened,
 // multiplied, rounded to nearest even. The rounding is VCVTNEPS2BF16 where the CPU has it, except for a float32
 // denormal product, which it would take as zero where torch keeps it: those go by round_to_bf16's integer steps.
-inline __m256i silu_mul16(const uint16_t* table, __m512i gate_index, __m512 up) {
-  const __m512 silu = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(gate_index, table, 2), 16));
-  const __m512 product = _mm512_mul_ps(silu, up);
+inline __m256i table_mul16(const uint16_t* table, __m512i gate_index, __m512 up) {
+  const __m512 act = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(gate_index, table, 2), 16));
+  const __m512 product = _mm512_mul_ps(act, up);
 #if defined(__AVX512BF16__) && defined(__AVX512DQ__)
   if (!_mm512_fpclass_ps_mask(product, 0x20))  // 0x20: denormal
     return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(product));
@@ -120,25 +122,25 @@ inline __m256i silu_mul16(const uint16_t* table, __m512i gate_index, __m512 up) 
   return round_to_bf16(product);
 }
 
-// silu_mul16 of sixteen gates' and ups' bfloat16 bits.
-inline __m256i silu_mul_bits16(const uint16_t* table, __m256i gate, __m256i up) {
-  return silu_mul16(table, _mm512_cvtepu16_epi32(gate),
-                    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(up), 16)));
+// table_mul16 of sixteen gates' and ups' bfloat16 bits.
+inline __m256i table_mul_bits16(const uint16_t* table, __m256i gate, __m256i up) {
+  return table_mul16(table, _mm512_cvtepu16_epi32(gate),
+                     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(up), 16)));
 }
 #endif
 
-// One bfloat16 row's SiLU(gate) * up by the table: gate, up and out as bfloat16 bits.
-inline void silu_mul_row_bf16(const uint16_t* table, const uint16_t* gate, const uint16_t* up, uint16_t* out,
-                              int64_t width) {
+// One bfloat16 row's act(gate) * up by the table: gate, up and out as bfloat16 bits.
+inline void table_mul_row_bf16(const uint16_t* table, const uint16_t* gate, const uint16_t* up, uint16_t* out,
+                               int64_t width) {
   int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   for (; i + 16 <= width; i += 16) {
     const __m256i g = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate + i));
     const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(up + i));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), silu_mul_bits16(table, g, u));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), table_mul_bits16(table, g, u));
   }
 #endif
-  for (; i < width; ++i) out[i] = silu_mul_bits(table, gate[i], up[i]);
+  for (; i < width; ++i) out[i] = table_mul_bits(table, gate[i], up[i]);
 }
 
 }  // namespace loom
