@@ -271,6 +271,30 @@ def test_offline_run_holds_itself_to_its_own_matmul_peak(tiny_llama_dir, capsys)
         assert 0 < line["roofline_fraction_of_peak"] <= 1
 
 
+def test_transformers_as_the_peer_gives_loom_the_same_tokens_and_a_ceiling(tiny_llama_dir, capsys):
+    """--peers hf in float32: transformers' generate and generate_batch on the same first requests give Loom's
+    tokens; each ratio is Loom's rate over the peer's, and its ceiling the peer's time over Loom's memory floor."""
+    from loom.cli import main
+
+    assert main(["bench", "offline", "--model", str(tiny_llama_dir), "--workload", "mixed", "--num-requests", "6",
+                 "--dtypes", "float32", "--policies", "continuous", "--kv-cache-memory", "0.05", "--peers", "hf",
+                 "--hf-requests", "3"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    loom, static, batch = lines[1:]  # after the policy's own run on all 6
+    assert loom["system"] == "loom-continuous(subset)" and loom["requests"] == 3
+    assert 0 < loom["roofline_memory_seconds"] < loom["seconds"]
+    assert static["system"] == "hf-generate-static" and static["identical_outputs_to_loom"]
+    for peer in (static, batch):
+        if "error" in peer:  # generate_batch is version-dependent: reported, not failed
+            continue
+        seconds = peer["output_tokens"] / peer["output_tokens_per_s"]
+        assert peer["loom_continuous_over_this"] == pytest.approx(
+            loom["output_tokens_per_s"] / peer["output_tokens_per_s"], rel=0.02)
+        assert peer["loom_memory_floor_over_this"] == pytest.approx(seconds / loom["roofline_memory_seconds"],
+                                                                    rel=0.02)
+        assert peer["loom_memory_floor_over_this"] > peer["loom_continuous_over_this"]
+
+
 def test_offline_runs_speculation_settings_in_rounds_against_the_first(tiny_llama_dir, capsys):
     from loom.cli import main
 

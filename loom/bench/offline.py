@@ -103,20 +103,27 @@ def emit(line: dict) -> None:
     print(json.dumps(line), flush=True)
 
 
-def _hf_peer(args, loaded, requests: list[BenchRequest], max_num_seqs: int, engine: LLMEngine, name: str) -> bool:
+def _hf_peer(args, loaded, requests: list[BenchRequest], max_num_seqs: int, engine: LLMEngine, name: str,
+             peak_gflops: float, bandwidth: float) -> bool:
     """transformers on the first requests, in the engine's dtype, against Loom on the same requests. In float32 both
     must give the same tokens (False if not); in bfloat16 torch's matmul sums in another order, so tokens may part,
-    and that is reported, not failed."""
+    and that is reported, not failed.
+
+    Beside each ratio, the ratio's ceiling: the peer's time over Loom's memory floor on the same requests (every
+    step of the subset's run reading its weights and K/V once at the measured read bandwidth, nothing else costing
+    anything), the most that Loom, holding the weights as it does, could be over the peer on this machine."""
     from loom.bench.hf_peer import hf_continuous, hf_static, load_hf_model
 
     subset = requests[: args.hf_requests]
     prompts = [r.prompt if isinstance(r.prompt, list) else loaded.tokenizer.encode(r.prompt) for r in subset]
-    loom_line, loom_tokens, _ = run_once(engine, subset, "continuous", max_num_seqs, args.max_num_batched_tokens)
+    loom_line, loom_tokens, tracer = run_once(engine, subset, "continuous", max_num_seqs, args.max_num_batched_tokens)
+    roofline = roofline_figures(engine, tracer, loom_line, peak_gflops, bandwidth)
+    floor = roofline["roofline_memory_seconds"]
     dtype = engine.config.dtype
     exact = dtype == torch.float32
     base = {"workload": name, "dtype": str(dtype).removeprefix("torch."), "requests": len(subset),
             "max_num_seqs": max_num_seqs}
-    emit({**base, **loom_line, "system": "loom-continuous(subset)"})
+    emit({**base, **loom_line, **roofline, "system": "loom-continuous(subset)"})
     model = load_hf_model(args.model, dtype)
     pad = loaded.tokenizer.eos_token_ids[0] if loaded.tokenizer.eos_token_ids else 0
     ok = True
@@ -125,6 +132,7 @@ def _hf_peer(args, loaded, requests: list[BenchRequest], max_num_seqs: int, engi
     emit({**base, "system": "hf-generate-static", "seconds": round(seconds, 3), "output_tokens": useful,
            "output_tokens_per_s": round(useful / seconds, 2),
            "loom_continuous_over_this": round(loom_line["output_tokens_per_s"] * seconds / useful, 3),
+           "loom_memory_floor_over_this": round(seconds / floor, 3),
            "identical_outputs_to_loom": tokens == loom_tokens})
     ok &= tokens == loom_tokens or not exact
     try:
@@ -136,6 +144,7 @@ def _hf_peer(args, loaded, requests: list[BenchRequest], max_num_seqs: int, engi
            "generated_tokens": generated, "output_tokens_per_s": round(useful / seconds, 2),
            "generated_tokens_per_s": round(generated / seconds, 2),
            "loom_continuous_over_this": round(loom_line["output_tokens_per_s"] * seconds / useful, 3),
+           "loom_memory_floor_over_this": round(seconds / floor, 3),
            "identical_outputs_to_loom": tokens == loom_tokens})
     return ok & (tokens == loom_tokens or not exact)
 
@@ -234,7 +243,7 @@ def main(args: argparse.Namespace) -> int:
                 slot_timeline(records, seqs, plot_dir / f"timeline-{name}-{label}.png", f"{name} workload, {label}")
                 kv_usage(records, plot_dir / f"kv-{name}-{label}.png")
             if args.peers == "hf" and quantization == quantizations[0]:
-                ok &= _hf_peer(args, loaded, requests, seqs, engine, name)
+                ok &= _hf_peer(args, loaded, requests, seqs, engine, name, before, bandwidth_before)
             if args.speculative_configs:
                 ok &= _speculative_runs(args, engine, requests, seqs, base)
         if args.sweep:
