@@ -143,15 +143,22 @@ def test_roofline_takes_each_steps_slower_side():
     # token.
     long_prefill = _record(prefill=50, decode=0, sampled=1, in_cache=50)  # 2 * (500 + 100) = 1200 FLOPs, 203 bytes
     decode = _record(prefill=0, decode=2, sampled=2, in_cache=40)  # 2 * (20 + 200) = 440 FLOPs, 87 bytes
-    r = run_roofline([long_prefill, decode], 10, 100, weights=3, kv_bytes_per_token=2, peak_flops=1.0, bandwidth=0.1)
+    r = run_roofline([long_prefill, decode], 10, 100, weights=3, kv_bytes_per_slot=2, kv_bytes_per_token=2,
+                     peak_flops=1.0, bandwidth=0.1)
     assert r["matmul_flops"] == 1640
     assert r["roofline_compute_seconds"] == pytest.approx(1640) and r["roofline_memory_seconds"] == pytest.approx(2900)
     assert r["roofline_seconds"] == pytest.approx(2030 + 870)  # memory-bound both: 203 / 0.1 and 87 / 0.1
     assert r["memory_bound_step_share"] == 1.0
-    r = run_roofline([long_prefill, decode], 10, 100, weights=3, kv_bytes_per_token=2, peak_flops=1.0, bandwidth=1.0)
+    r = run_roofline([long_prefill, decode], 10, 100, weights=3, kv_bytes_per_slot=2, kv_bytes_per_token=2,
+                     peak_flops=1.0, bandwidth=1.0)
     assert r["roofline_seconds"] == pytest.approx(1200 + 440) and r["memory_bound_step_share"] == 0.0
-    r = run_roofline([long_prefill, decode], 10, 100, weights=3, kv_bytes_per_token=2, peak_flops=1.0, bandwidth=0.18)
+    r = run_roofline([long_prefill, decode], 10, 100, weights=3, kv_bytes_per_slot=2, kv_bytes_per_token=2,
+                     peak_flops=1.0, bandwidth=0.18)
     assert r["roofline_seconds"] == pytest.approx(1200 + 87 / 0.18) and r["memory_bound_step_share"] == 0.5
+    # Two KV cache groups of 3 layers: a filled slot holds one group's 3 layers, a new token is written in all 6.
+    grouped = run_roofline([decode], 10, 100, weights=3, kv_bytes_per_slot=1, kv_bytes_per_token=2, peak_flops=1.0,
+                           bandwidth=1.0)
+    assert grouped["roofline_memory_seconds"] == pytest.approx(3 + 40 * 1 + 2 * 2)
 
 
 def test_weight_bytes_and_read_bandwidth(tiny_llama):

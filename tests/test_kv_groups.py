@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loom import LLM
-from loom.engine.kv_cache import NULL_BLOCK, BlockPool, block_hashes
+from loom.engine.kv_cache import NULL_BLOCK, BlockPool, KVCacheSpec, block_hashes
 from loom.engine.kv_manager import FullAttentionBlocks, KVCacheManager, SlidingWindowBlocks
 from loom.engine.request import Request
 from loom.model.config import KVCacheGroup, ModelConfig
@@ -202,3 +202,14 @@ def test_windowed_groups_change_no_output_under_random_mixes(tiny_gemma3, gemma_
     for i, (prompt, n) in enumerate(workload):
         assert done[i] == gemma_alone(prompt, n), f"request {i} differs in the mix"
     assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
+
+
+def test_a_query_reads_its_whole_context_in_full_layers_and_its_window_in_sliding_ones():
+    groups = [KVCacheGroup((0, 2), None), KVCacheGroup((1, 3), 4)]
+    spec = KVCacheSpec(num_layers=4, num_kv_heads=1, head_dim=8, block_size=4, dtype=torch.bfloat16, groups=groups)
+    assert spec.bytes_per_token == 4 * 2 * 8 * 2 and spec.bytes_per_slot == 2 * 2 * 8 * 2
+    assert spec.bytes_per_block == 4 * spec.bytes_per_slot
+    assert spec.bytes_read(3) == 2 * 3 * spec.bytes_per_slot  # inside the window: every layer reads all 3
+    assert spec.bytes_read(10) == (10 + 4) * spec.bytes_per_slot
+    one_group = KVCacheSpec(num_layers=4, num_kv_heads=1, head_dim=8, block_size=4, dtype=torch.bfloat16)
+    assert one_group.bytes_read(10) == 10 * one_group.bytes_per_token

@@ -38,16 +38,18 @@ def weight_bytes(model) -> int:
 
 
 def run_roofline(records: list[StepRecord], layer_matmul_params: int, lm_head_params: int, weights: int,
-                 kv_bytes_per_token: float, peak_flops: float, bandwidth: float) -> dict:
-    """Per step: its matmul FLOPs at `peak_flops` against its bytes at `bandwidth` (every weight once, the K/V of
-    the tokens in cache read once, the new tokens' K/V written); the run's roofline time is the sum of the larger
-    of each step's two. Attention's FLOPs and the activations' bytes are left out, so the time errs short."""
+                 kv_bytes_per_slot: float, kv_bytes_per_token: float, peak_flops: float, bandwidth: float) -> dict:
+    """Per step: its matmul FLOPs at `peak_flops` against its bytes at `bandwidth` (every weight once, each filled KV
+    slot of the running requests' blocks read once, the new tokens' K/V written in every layer); the run's roofline
+    time is the sum of the larger of each step's two. Attention's FLOPs and the activations' bytes are left out, so
+    the time errs short. A slot holds one token of one KV cache group's layers (all of them in a one-group model),
+    and a sliding group holds only its window's blocks, so slots count the bytes the kernels read."""
     total_flops = compute_s = memory_s = roofline_s = 0.0
     memory_bound = 0
     for r in records:
         tokens = r.prefill_tokens + r.decode_tokens + r.pad_tokens
         flops = 2.0 * (tokens * layer_matmul_params + r.sampled_tokens * lm_head_params)
-        moved = weights + (r.tokens_in_cache + tokens) * kv_bytes_per_token
+        moved = weights + r.tokens_in_cache * kv_bytes_per_slot + tokens * kv_bytes_per_token
         step_compute, step_memory = flops / peak_flops, moved / bandwidth
         total_flops += flops
         compute_s += step_compute

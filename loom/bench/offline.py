@@ -83,8 +83,9 @@ def roofline_figures(engine: LLMEngine, tracer: StepTracer, line: dict, peak_gfl
     allow at the measured peak and read bandwidth, how far the run is from it, and the fraction of the matmul peak
     that the roofline itself allows."""
     cfg = engine.model_config
+    spec = engine.runner.kv_spec
     roofline = run_roofline(tracer.records, cfg.layer_matmul_params, cfg.lm_head_params,
-                            weight_bytes(engine.runner.model), engine.runner.kv_spec.bytes_per_token,
+                            weight_bytes(engine.runner.model), spec.bytes_per_slot, spec.bytes_per_token,
                             peak_gflops * 1e9, bandwidth)
     seconds = roofline["roofline_seconds"]
     return {

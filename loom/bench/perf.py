@@ -127,7 +127,7 @@ def decode_step(engine: LLMEngine, batch: int, context: int, bandwidth: float, s
                                                                                   "matmuls"))
     outside = [s - f - lg for s, f, lg in zip(rows["step"], rows["forward"], rows["logits"])]
     weights = weight_bytes(model)
-    kv = sum(meta.context_lens_host) * runner.kv_spec.bytes_per_token
+    kv = sum(runner.kv_spec.bytes_read(context) for context in meta.context_lens_host)
     return {
         "batch": batch,
         "context_tokens": context,

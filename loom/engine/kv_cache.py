@@ -175,7 +175,18 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        return self.block_size * self.bytes_per_token * self.layers_per_block // self.num_layers
+        return self.block_size * self.bytes_per_slot
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """One token's K and V in one group's layers: what a filled slot of a block holds."""
+        return self.bytes_per_token * self.layers_per_block // self.num_layers
+
+    def bytes_read(self, context: int) -> int:
+        """K/V bytes that a query at `context` tokens reads: every earlier token in a full-attention group's layers,
+        the last `window` in a sliding group's."""
+        return sum(self.bytes_per_slot * (context if g.window is None else min(context, g.window))
+                   for g in self.groups)
 
     def num_blocks_for_memory(self, memory_bytes: int) -> int:
         return max(2, memory_bytes // self.bytes_per_block)
