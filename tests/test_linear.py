@@ -107,3 +107,22 @@ def test_torch_backend_and_sliced_output_head():
 def test_unknown_matmul_backend_is_a_clear_error():
     with pytest.raises(ValueError, match="matmul backend"):
         make_matmul("blas")
+
+
+def test_placing_weights_in_one_buffer_moves_their_bytes_not_their_results(packed):
+    """A model's matmuls, their weights moved into one buffer in forward order at page boundaries: each gives the
+    same bits as before, from views of that one buffer, in that order."""
+    from loom.model.linear import PAGE_BYTES, SiluMulAfter, place_in_one_buffer
+
+    gen = torch.Generator().manual_seed(5)
+    weights = [torch.randn(out, 64, generator=gen).bfloat16() for out in (96, 40, 256)]
+    linears = [packed.linear(weights[0]), TorchLinear(weights[1]),
+               SiluMulAfter(packed.linear(weights[2]), lambda gate_up: gate_up)]
+    x = torch.randn(5, 64, generator=gen).bfloat16()
+    before = [linear(x) for linear in linears]
+    place_in_one_buffer(linears)
+    assert all(torch.equal(linear(x), want) for linear, want in zip(linears, before))
+    placed = [linears[0].panels, linears[1].weight, linears[2].product.panels]
+    starts = [t.data_ptr() for t in placed]
+    assert len({t.untyped_storage().data_ptr() for t in placed}) == 1  # one buffer
+    assert starts == sorted(starts) and all(s % PAGE_BYTES == 0 for s in starts)

@@ -18,7 +18,7 @@ from loom.model.attention import AttentionBackend, KVCache
 from loom.model.batch_metadata import BatchMetadata
 from loom.model.config import ModelConfig
 from loom.model.layer_ops import TorchLayerOps
-from loom.model.linear import Linear, MatmulBackend
+from loom.model.linear import Linear, MatmulBackend, place_in_one_buffer
 from loom.model.quantized import QuantizedWeight, take_blocks
 from loom.model.rope import rope_table
 
@@ -80,6 +80,7 @@ class Gemma3Model:
                 post_mlp_norm=norm(p + "post_feedforward_layernorm.weight"),
                 window=config.sliding_window if config.sliding_layers[i] else None,
             ))
+        place_in_one_buffer(self.layer_linears())
         positions = config.max_position_embeddings
         self.global_rope = rope_table(config.rope_theta, config.head_dim, positions, dtype, config.rope_scaling)
         self.local_rope = rope_table(config.rope_local_theta or config.rope_theta, config.head_dim, positions, dtype)

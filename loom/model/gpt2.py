@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from loom.model.attention import AttentionBackend, KVCache
 from loom.model.batch_metadata import BatchMetadata
 from loom.model.config import ModelConfig
-from loom.model.linear import Linear, MatmulBackend
+from loom.model.linear import Linear, MatmulBackend, place_in_one_buffer
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
@@ -61,6 +61,7 @@ class GPT2Model:
             )
             for i in range(config.num_layers)
         ]
+        place_in_one_buffer(self.layer_linears())
 
     def forward(self, meta: BatchMetadata, kv_caches: list[KVCache], attention: AttentionBackend) -> torch.Tensor:
         cfg = self.config

@@ -340,6 +340,36 @@ class MatmulBackend:
         return TorchLinear(weight, cpu_slice_rows=2048)
 
 
+WEIGHT_FIELDS = ("panels", "records", "weight")  # the tensor a Linear's matmul streams, by the Linear's kind
+PAGE_BYTES = 4096
+
+
+def place_in_one_buffer(linears: list[Linear]) -> None:
+    """Moves the CPU weights of `linears` into one buffer, in the order given (a forward's), each at a page boundary.
+
+    Why: a decode step reads each small matmul's weights from memory once, and those read as separate allocations
+    came ~2x slower than the same bytes as one run (a Gemma 3 270M gate/up projection after the caches were
+    flushed: 0.44-0.68 ms against 0.24); decode steps ran 3-4% faster. The values and every kernel's bits stay
+    the same: only where the bytes live changes."""
+    fields = []
+    for linear in linears:
+        owner = getattr(linear, "product", linear)  # a gate/up pair's matmul
+        for name in WEIGHT_FIELDS:
+            tensor = getattr(owner, name, None)
+            if isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.is_contiguous():
+                fields.append((owner, name, tensor))
+    if not fields:
+        return
+    spans = [-(-t.nbytes // PAGE_BYTES) * PAGE_BYTES for _, _, t in fields]
+    buffer = torch.empty(sum(spans) + PAGE_BYTES, dtype=torch.uint8)
+    offset = -buffer.data_ptr() % PAGE_BYTES
+    for (owner, name, tensor), span in zip(fields, spans):
+        placed = buffer[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+        placed.copy_(tensor)
+        setattr(owner, name, placed)
+        offset += span
+
+
 def make_matmul(name: str, quantization: str = "none", dtype: torch.dtype = torch.float32) -> MatmulBackend:
     """The matmuls for a model run in `dtype`.
 

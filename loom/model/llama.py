@@ -18,7 +18,7 @@ from loom.model.batch_metadata import BatchMetadata
 from loom.model.config import ModelConfig
 from loom.model.layer_loop import LayerLoop
 from loom.model.layer_ops import TorchLayerOps, rms_norm
-from loom.model.linear import Linear, MatmulBackend, SiluMulAfter, SiluMulLinear
+from loom.model.linear import Linear, MatmulBackend, SiluMulAfter, SiluMulLinear, place_in_one_buffer
 from loom.model.llama_layer import LlamaLayer
 from loom.model.quantized import QuantizedWeight, take_blocks
 from loom.model.rope import rope_table
@@ -79,6 +79,7 @@ class LlamaModel:
             )
         self.mlp_chunk_rows_per_thread = (MLP_CHUNK_ROWS_PER_THREAD if any(
             isinstance(layer.gate_up, SiluMulAfter) for layer in self.layers) else AMX_MLP_CHUNK_ROWS_PER_THREAD)
+        place_in_one_buffer(self.layer_linears())  # before the layer loop takes the weights
         self.layer_loop = LayerLoop.for_layers(self.layers, config, ops)
         self.rope_cos, self.rope_sin = rope_table(config.rope_theta, config.head_dim, config.max_position_embeddings,
                                                   dtype, config.rope_scaling)
