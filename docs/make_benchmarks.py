@@ -116,15 +116,16 @@ def peer_row(x: dict) -> list:
 
 
 PEER_COLUMNS = ["system", "output tok/s", "Loom over this", "Loom's memory floor over this", "identical outputs"]
+FLOOR_NOTE = ("\"Loom's memory floor over this\" is the ratio's ceiling: the peer's time over the time Loom's run "
+              "would take if each of its steps only read its weights (as Loom holds them) and its K/V once, at the "
+              "read bandwidth measured in the run, and nothing else cost anything.")
 
 
 def peers_section(meta: dict, lines: list[dict]) -> list[str]:
     out = ["## Loom against transformers", "",
            "The first 16 requests of the mixed workload, all at once: Loom's continuous batching against transformers' "
            "`generate` (one padded batch, its best here) and `generate_batch` (its own continuous batching), the same "
-           "weights in the same process. \"Loom's memory floor over this\" is the ratio's ceiling: the peer's time over "
-           "the time Loom's run would take if each of its steps only read its weights (as Loom holds them) and its K/V "
-           "once, at the read bandwidth measured in the run, and nothing else cost anything.", "", *header(meta)]
+           "weights in the same process. " + FLOOR_NOTE, "", *header(meta)]
     rows = [[x["dtype"], *peer_row(x)] for x in lines if x.get("requests") == 16 and "system" in x]
     return out + table(["dtype", *PEER_COLUMNS], rows)
 
@@ -134,7 +135,7 @@ def gemma_section(meta: dict, lines: list[dict]) -> list[str]:
            "The mixed workload on Gemma 3 270M (GGUF Q4_K_M: q, k, v, gate, up and the LM head run in Q8_0 blocks, "
            "o and half the down projections in Q4_K blocks, the other down projections in Q6_K blocks), bfloat16. "
            "transformers runs the first 16 requests with `generate` (one padded batch) and `generate_batch`, on the "
-           "same file in the same process.", "", *header(meta)]
+           "same file in the same process. " + FLOOR_NOTE, "", *header(meta)]
     rows = [[x["requests"], *peer_row(x)] for x in lines if "system" in x]
     return out + table(["requests", *PEER_COLUMNS], rows)
 
