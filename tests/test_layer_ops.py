@@ -75,6 +75,25 @@ def test_gemma_rms_norm_matches_torch_on_rows_and_on_each_head(fused, dtype, row
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
+def test_gemma_add_rms_norm_matches_torch_and_updates_hidden_in_place(fused, dtype, rows):
+    """The residual add of a sublayer's normed output and the next sublayer's norm, in one pass: the bits of the
+    fused norm followed by torch's add, hidden updated in place; no second norm without its weight."""
+    gen = torch.Generator().manual_seed(rows)
+    hidden = (3 * torch.randn(rows, 640, generator=gen)).to(dtype)
+    delta = (5 * torch.randn(rows, 640, generator=gen)).to(dtype)
+    delta_weight, weight = 1 + torch.randn(640, generator=gen), 1 + torch.randn(640, generator=gen)
+    want_hidden = hidden + fused.gemma_rms_norm(delta, delta_weight, 1e-6)
+    want_next = fused.gemma_rms_norm(want_hidden, weight, 1e-6)
+    same_stream = hidden.clone()
+    got_hidden, got_next = fused.gemma_add_rms_norm(same_stream, delta, delta_weight, weight, 1e-6)
+    assert got_hidden is same_stream and torch.equal(got_hidden, want_hidden) and torch.equal(got_next, want_next)
+    close_to_torch(got_next, TorchLayerOps().gemma_add_rms_norm(hidden, delta, delta_weight, weight, 1e-6)[1])
+    last_hidden, nothing = fused.gemma_add_rms_norm(hidden.clone(), delta, delta_weight, None, 1e-6)
+    assert nothing is None and torch.equal(last_hidden, want_hidden)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("head_dim", [64, 48])  # 48: not whole 16-lane halves, so AVX-512 builds take the scalar code
 def test_rotate_qk_matches_torch(fused, dtype, rows, head_dim):
     gen = torch.Generator().manual_seed(rows)
@@ -169,6 +188,8 @@ def test_fused_ops_reject_what_they_cannot_run(fused):
         fused.gemma_rms_norm(torch.zeros(2, 3, 8), torch.ones(8), 1e-6)  # one weight per head needed
     with pytest.raises(RuntimeError, match="last dimension contiguous"):
         fused.gemma_rms_norm(torch.zeros(8, 4).t(), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="weights must be float32"):
+        fused.gemma_add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 8), torch.ones(8), torch.ones(7), 1e-6)
     with pytest.raises(RuntimeError, match="gate_up must be bfloat16"):
         fused.kernel.bf16_table_mul(torch.zeros(2, 128), fused.bf16_gelu_tanh_table)
     with pytest.raises(RuntimeError, match="table must be"):

@@ -75,3 +75,16 @@ def test_a_row_gets_the_same_bits_in_any_chunk_or_batch(kernel, dtype):
         out = kernel.windowed_attention(torch.cat([other, q[start:]]), k_cache, v_cache, tables,
                                         torch.tensor([50, ctx]), torch.tensor([0, 3, 3 + ctx - start]), window, 0.125)
         assert torch.equal(out[3:], whole[start:])
+
+
+def test_query_rows_may_be_views_of_wider_rows(kernel):
+    """q as the model passes it, a view of each row's q and k heads: the bits of the same q made contiguous."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, block_size, ctx = 4, 1, 64, 16, 50
+    k_cache, v_cache = caches(gen, 4, block_size, kv_heads, head_dim, torch.bfloat16)
+    table = torch.arange(4).unsqueeze(0)
+    qk = torch.randn(ctx, (heads + kv_heads) * head_dim, generator=gen).bfloat16()
+    q = qk[:, : heads * head_dim].view(ctx, heads, head_dim)
+    assert not q.is_contiguous()
+    args = (k_cache, v_cache, table, torch.tensor([ctx]), torch.tensor([0, ctx]), 20, 0.125)
+    assert torch.equal(kernel.windowed_attention(q, *args), kernel.windowed_attention(q.contiguous(), *args))

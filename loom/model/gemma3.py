@@ -93,24 +93,26 @@ class Gemma3Model:
         eps, heads, kv_heads, d = cfg.norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         ropes = {window: tuple(t.index_select(0, meta.positions) for t in table) for window, table in
                  ((None, self.global_rope), (cfg.sliding_window, self.local_rope))}
-        norm, qk_width = self.ops.gemma_rms_norm, (heads + kv_heads) * d
+        norm, add_norm, qk_width = self.ops.gemma_rms_norm, self.ops.gemma_add_rms_norm, (heads + kv_heads) * d
         hidden = self.embed.index_select(0, meta.input_ids) * self.embed_scale
+        x = norm(hidden, self.layers[0].input_norm, eps)
         meta_of_layer = {}  # a layer reads and writes its K/V through its KV cache group's block tables
         for g, group in enumerate(self.kv_groups):
             group_meta = meta.for_kv_group(g)
             meta_of_layer.update(dict.fromkeys(group.layers, group_meta))
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            qkv = layer.qkv(norm(hidden, layer.input_norm, eps))
-            # Each q and k head normed on its own, then all of them rotated: one call each.
+            qkv = layer.qkv(x)
+            # Each q and k head normed on its own, then all of them rotated: one call each; q, k, v as views.
             qk = norm(qkv[:, :qk_width].view(-1, heads + kv_heads, d), layer.qk_norm, eps).view(-1, qk_width)
             qk = self.ops.rotate_qk(qk, *ropes[layer.window], heads + kv_heads, d)
-            q = qk[:, : heads * d].contiguous().view(-1, heads, d)
-            k = qk[:, heads * d :].contiguous().view(-1, kv_heads, d)
-            v = qkv[:, qk_width:].contiguous().view(-1, kv_heads, d)
+            q = qk[:, : heads * d].view(-1, heads, d)
+            k = qk[:, heads * d :].view(-1, kv_heads, d)
+            v = qkv[:, qk_width:].view(-1, kv_heads, d)
             attn = attention(q, k, v, kv_cache, meta_of_layer[i], self.scale, layer.window)
-            hidden = hidden + norm(layer.o(attn), layer.post_attention_norm, eps)
-            delta = layer.down(self.ops.gelu_tanh_mul(layer.gate_up(norm(hidden, layer.pre_mlp_norm, eps))))
-            hidden = hidden + norm(delta, layer.post_mlp_norm, eps)
+            hidden, x = add_norm(hidden, layer.o(attn), layer.post_attention_norm, layer.pre_mlp_norm, eps)
+            delta = layer.down(self.ops.gelu_tanh_mul(layer.gate_up(x)))
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
+            hidden, x = add_norm(hidden, delta, layer.post_mlp_norm, next_norm, eps)
         return hidden
 
     def layer_linears(self) -> list[Linear]:

@@ -65,6 +65,13 @@ class TorchLayerOps:
         casts first); x [T, D] with weight [D], or [T, G, D] with weight [G, D] (each of a row's heads alone)."""
         return (F.rms_norm(x.float(), x.shape[-1:], None, eps) * one_plus_weight).to(x.dtype)
 
+    def gemma_add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor, delta_weight: torch.Tensor,
+                           weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden + Gemma's RMSNorm of delta by delta_weight, Gemma's RMSNorm of that by weight, or None without
+        one): a sublayer's residual add and the next sublayer's input."""
+        hidden = hidden + self.gemma_rms_norm(delta, delta_weight, eps)
+        return hidden, None if weight is None else self.gemma_rms_norm(hidden, weight, eps)
+
 
 @dataclass
 class FusedLayerOps(TorchLayerOps):
@@ -107,6 +114,12 @@ class FusedLayerOps(TorchLayerOps):
         if not x.is_cpu:
             return super().gemma_rms_norm(x, one_plus_weight, eps)
         return self.kernel.gemma_rms_norm(x, one_plus_weight, eps)
+
+    def gemma_add_rms_norm(self, hidden, delta, delta_weight, weight, eps):
+        if not hidden.is_cpu:
+            return super().gemma_add_rms_norm(hidden, delta, delta_weight, weight, eps)
+        # hidden is the forward's own residual stream (a fresh tensor from the embedding), updated in place.
+        return hidden, self.kernel.gemma_add_rms_norm(hidden, delta, delta_weight, weight, eps)
 
 
 def make_layer_ops(name: str) -> TorchLayerOps:

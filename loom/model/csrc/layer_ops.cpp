@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -139,22 +140,41 @@ void add_rms_norm_impl(T* hidden, const T* delta, const T* weight, T* out, int64
 
 // Gemma's RMSNorm of rows [T, G, D] (G heads of a row each normed alone; G = 1 for the hidden state): in float32,
 // normalized, then times (1 + weight) [G, D] in float32, rounded once to T at the end (transformers' order).
+// One row's Gemma RMSNorm: (1 + weight) * x / rms(x) in float32, rounded once to T.
+template <typename T>
+inline void gemma_norm_row(const T* xr, const float* w, T* o, int64_t cols, float eps) {
+  float squares = 0.f;
+  for (int64_t c = 0; c < cols; ++c) {
+    const float v = widen(xr[c]);
+    squares += v * v;
+  }
+  // In double: -ffast-math would turn a float 1/sqrt into an approximate reciprocal square root.
+  const float inv_rms = static_cast<float>(1.0 / std::sqrt(static_cast<double>(squares / cols + eps)));
+  for (int64_t c = 0; c < cols; ++c) o[c] = narrow<T>(w[c] * (widen(xr[c]) * inv_rms));
+}
+
 template <typename T>
 void gemma_rms_norm_impl(const T* x, int64_t token_stride, int64_t head_stride, const float* weight, T* out,
                          int64_t tokens, int64_t heads, int64_t cols, float eps) {
   at::parallel_for(0, tokens * heads, grain(cols), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const T* xr = x + (i / heads) * token_stride + (i % heads) * head_stride;
-      const float* w = weight + (i % heads) * cols;
-      float squares = 0.f;
-      for (int64_t c = 0; c < cols; ++c) {
-        const float v = widen(xr[c]);
-        squares += v * v;
-      }
-      // In double: -ffast-math would turn a float 1/sqrt into an approximate reciprocal square root.
-      const float inv_rms = static_cast<float>(1.0 / std::sqrt(static_cast<double>(squares / cols + eps)));
-      T* o = out + i * cols;
-      for (int64_t c = 0; c < cols; ++c) o[c] = narrow<T>(w[c] * (widen(xr[c]) * inv_rms));
+    for (int64_t i = begin; i < end; ++i)
+      gemma_norm_row(x + (i / heads) * token_stride + (i % heads) * head_stride, weight + (i % heads) * cols,
+                     out + i * cols, cols, eps);
+  });
+}
+
+// Each row: hidden += Gemma's RMSNorm of delta by delta_weight (the norm rounded to T, then the sum, as torch's two
+// ops round), then, with a weight, out = Gemma's RMSNorm of the new hidden.
+template <typename T>
+void gemma_add_rms_norm_impl(T* hidden, const T* delta, const float* delta_weight, const float* weight, T* out,
+                             int64_t rows, int64_t cols, float eps) {
+  at::parallel_for(0, rows, grain(cols), [&](int64_t begin, int64_t end) {
+    std::vector<T> normed(cols);
+    for (int64_t r = begin; r < end; ++r) {
+      T* h = hidden + r * cols;
+      gemma_norm_row(delta + r * cols, delta_weight, normed.data(), cols, eps);
+      for (int64_t c = 0; c < cols; ++c) h[c] = narrow<T>(widen(h[c]) + widen(normed[c]));
+      if (weight != nullptr) gemma_norm_row(h, weight, out + r * cols, cols, eps);
     }
   });
 }
@@ -274,6 +294,37 @@ torch::Tensor gemma_rms_norm(const torch::Tensor& x, const torch::Tensor& weight
   return out;
 }
 
+// hidden [T, C] += Gemma's RMSNorm of delta [T, C] by delta_weight, in place (the residual add after a sublayer);
+// returns Gemma's RMSNorm of the new hidden by weight (the next sublayer's input), or None without a weight. Weights
+// float32 [C] holding (1 + Gemma's weight).
+std::optional<torch::Tensor> gemma_add_rms_norm(torch::Tensor& hidden, const torch::Tensor& delta,
+                                                const torch::Tensor& delta_weight,
+                                                const std::optional<torch::Tensor>& weight, double eps) {
+  check_cpu_rows(hidden, "hidden");
+  check_cpu_rows(delta, "delta");
+  TORCH_CHECK(delta.sizes() == hidden.sizes() && delta.scalar_type() == hidden.scalar_type(),
+              "delta must match hidden's shape and dtype");
+  const int64_t cols = hidden.size(1);
+  for (const torch::Tensor* w : {&delta_weight, weight ? &*weight : nullptr}) {
+    if (w == nullptr) continue;
+    TORCH_CHECK(w->scalar_type() == torch::kFloat32 && w->dim() == 1 && w->size(0) == cols,
+                "weights must be float32 [hidden.size(1)]");
+  }
+  auto dw = delta_weight.contiguous();
+  std::optional<torch::Tensor> w, out;
+  if (weight) {
+    w = weight->contiguous();
+    out = torch::empty_like(hidden);
+  }
+  by_dtype(hidden, "gemma_add_rms_norm", [&](auto* typed) {
+    using T = std::remove_pointer_t<decltype(typed)>;
+    gemma_add_rms_norm_impl<T>(hidden.data_ptr<T>(), delta.data_ptr<T>(), dw.data_ptr<float>(),
+                               w ? w->data_ptr<float>() : nullptr, out ? out->data_ptr<T>() : nullptr,
+                               hidden.size(0), cols, static_cast<float>(eps));
+  });
+  return out;
+}
+
 // Rotates the first `heads` heads of each row of qkv [T, W] in place; cos, sin [T, head_dim] are the rows' angles.
 void rotary_(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
              int64_t head_dim) {
@@ -333,6 +384,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
   m.def("bf16_table_mul", &bf16_table_mul, "table[gate] * up for bfloat16 gate and up: a tabulated activation's GLU");
   m.def("gemma_rms_norm", &gemma_rms_norm, "Gemma's RMSNorm by (1 + weight) in float32, of rows or of their heads");
+  m.def("gemma_add_rms_norm", &gemma_add_rms_norm,
+        "hidden += Gemma's RMSNorm of delta (in place); returns Gemma's RMSNorm of hidden, given a weight");
   m.attr("add_rms_norm_entry") = loom::entry::export_entry<loom::entry::AddRmsNorm>(&add_rms_norm);
   m.attr("rotary_entry") = loom::entry::export_entry<loom::entry::Rotary>(&rotary_);
   m.attr("silu_mul_entry") = loom::entry::export_entry<loom::entry::SiluMul>(&silu_mul);

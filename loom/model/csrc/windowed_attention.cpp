@@ -127,7 +127,7 @@ template <typename T>
 void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                  const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                  const torch::Tensor& cu_seqlens_q, int64_t window, double scale, torch::Tensor& out) {
-  const int64_t num_rows = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_rows = q.size(0), num_heads = q.size(1), head_dim = q.size(2), q_row_stride = q.stride(0);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), group = num_heads / num_kv_heads;
   const int64_t kb = k_cache.stride(0), kr = k_cache.stride(1), kh = k_cache.stride(2);
   const int64_t vb = v_cache.stride(0), vr = v_cache.stride(1), vh = v_cache.stride(2);
@@ -155,9 +155,8 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
       const int64_t row = item / num_kv_heads, kv_head = item % num_kv_heads, seq = row_seq[row];
       const int64_t position = lens[seq] - (starts[seq + 1] - row);  // the row's own position in its sequence
       const int64_t first = std::max<int64_t>(0, position - window + 1);
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d)
-          query[g * head_dim + d] = widen(qp[(row * num_heads + kv_head * group + g) * head_dim + d]);
+      const T* query_row = qp + row * q_row_stride + kv_head * group * head_dim;  // the KV head's query heads
+      for (int64_t i = 0; i < group * head_dim; ++i) query[i] = widen(query_row[i]);
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(score_max.begin(), score_max.end(), loom::kMasked);  // no key yet: exp(kMasked - s) is 0
       std::fill(total.begin(), total.end(), 0.0f);
@@ -199,20 +198,21 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
   });
 }
 
-// q [T, H, D]; k_cache / v_cache [num_blocks, block_size, KVH, D] of q's dtype (float32 or bfloat16), already holding
-// this step's K/V; block_tables [B, M], context_lens [B] (tokens in the cache after this step), cu_seqlens_q [B + 1]
-// int64 -> out [T, H * D].
+// q [T, H, D] (its rows may lie apart, as in a view of wider rows); k_cache / v_cache [num_blocks, block_size, KVH,
+// D] of q's dtype (float32 or bfloat16), already holding this step's K/V; block_tables [B, M], context_lens [B]
+// (tokens in the cache after this step), cu_seqlens_q [B + 1] int64 -> out [T, H * D].
 torch::Tensor windowed_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                  const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                                  const torch::Tensor& cu_seqlens_q, int64_t window, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "windowed_attention: q must be contiguous [T, H, D]");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "windowed_attention: q must be [T, H, D] with each row's heads contiguous");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "windowed_attention: the caches must have q's dtype");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "windowed_attention: a head's values must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "windowed_attention: query heads must be a multiple of KV heads");
   TORCH_CHECK(window > 0, "windowed_attention: the window must be positive");
   auto tables = block_tables.contiguous(), lens = context_lens.contiguous(), starts = cu_seqlens_q.contiguous();
-  torch::Tensor out = torch::empty_like(q);
+  torch::Tensor out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   loom::by_dtype(q, "windowed_attention", [&](auto* typed) {
     attend_rows<std::remove_pointer_t<decltype(typed)>>(q, k_cache, v_cache, tables, lens, starts, window, scale, out);
   });
