@@ -1,6 +1,7 @@
 // A Llama layer's small ops, each fused into one pass over its rows: residual add + RMSNorm, RoPE on q and k in
-// place, SiLU(gate) * up; and Gemma 3's RMSNorm. torch runs each as a chain of 3-10 ops; at one decode row every op costs its dispatch, and
-// at 64 rows every op re-reads its input. bfloat16 results are rounded where torch rounds them (after each op of
+// place, SiLU(gate) * up; and Gemma 3's RMSNorm, its residual add of a normed output with the next norm, and its
+// GeGLU product by a table. torch runs each as a chain of 2-10 ops; at one decode row every op costs its dispatch,
+// and at 64 rows every op re-reads its input. bfloat16 results are rounded where torch rounds them (after each op of
 // transformers' chain), so they match torch's to the summation order of the norm's mean.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -138,9 +139,8 @@ void add_rms_norm_impl(T* hidden, const T* delta, const T* weight, T* out, int64
   });
 }
 
-// Gemma's RMSNorm of rows [T, G, D] (G heads of a row each normed alone; G = 1 for the hidden state): in float32,
-// normalized, then times (1 + weight) [G, D] in float32, rounded once to T at the end (transformers' order).
-// One row's Gemma RMSNorm: (1 + weight) * x / rms(x) in float32, rounded once to T.
+// One row's Gemma RMSNorm: in float32, normalized, then times (1 + weight) in float32, rounded once to T at the end
+// (transformers' order).
 template <typename T>
 inline void gemma_norm_row(const T* xr, const float* w, T* o, int64_t cols, float eps) {
   float squares = 0.f;
@@ -153,6 +153,8 @@ inline void gemma_norm_row(const T* xr, const float* w, T* o, int64_t cols, floa
   for (int64_t c = 0; c < cols; ++c) o[c] = narrow<T>(w[c] * (widen(xr[c]) * inv_rms));
 }
 
+// Gemma's RMSNorm of rows [T, G, D] (G heads of a row each normed alone, by weight [G, D]; G = 1 for the hidden
+// state).
 template <typename T>
 void gemma_rms_norm_impl(const T* x, int64_t token_stride, int64_t head_stride, const float* weight, T* out,
                          int64_t tokens, int64_t heads, int64_t cols, float eps) {
@@ -243,7 +245,8 @@ void silu_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t width) {
     auto* out_bits = reinterpret_cast<uint16_t*>(out);
     at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
-        loom::table_mul_row_bf16(table, bits + r * 2 * width, bits + r * 2 * width + width, out_bits + r * width, width);
+        loom::table_mul_row_bf16(table, bits + r * 2 * width, bits + r * 2 * width + width, out_bits + r * width,
+                                 width);
     });
   }
 }

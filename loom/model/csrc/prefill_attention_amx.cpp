@@ -45,6 +45,9 @@ namespace {
 
 using bf16 = c10::BFloat16;
 using loom::PagedGeometry;
+using loom::V16;
+using loom::load16;
+using loom::store16;
 
 constexpr int64_t kBlock = 16;        // keys per cache block (the only block size this kernel takes)
 constexpr int64_t kStep = 32;         // keys per online-softmax step: one bfloat16 operand tile of P
@@ -52,14 +55,6 @@ constexpr int64_t kTileElems = 512;   // one 16 x 32 bfloat16 operand tile
 constexpr int64_t kItemTokens = 128;  // query tokens per work item (8 tiles of 16)
 constexpr float kMasked = loom::kMasked;
 
-typedef float V16 __attribute__((vector_size(64)));
-
-inline V16 load16(const float* p) {
-  V16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store16(float* p, V16 v) { std::memcpy(p, &v, sizeof v); }
 // 2^x (x up to kLazyRescale), sixteen lanes: r = x - floor(x) in [0, 1) by one VREDUCEPS, 2^r by a cubic (relative
 // error 8.6e-5, under a tenth of a bfloat16 ulp; 2^0 = 1 exactly), times 2^floor(x) by VSCALEFPS, which floors its
 // exponent itself. A masked score gives an integer x so large that r = 0 and 2^x is exactly 0. One micro-op fewer than

@@ -120,6 +120,55 @@ inline Vec sum_lanes_of_eight(const Vec* a) {
          __builtin_shufflevector(low, high, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
+// Sixteen float32 lanes: one AVX-512 register (two AVX2 ones elsewhere), for the kernels that go 16 wide.
+typedef float V16 __attribute__((vector_size(16 * sizeof(float))));
+typedef int32_t I16 __attribute__((vector_size(16 * sizeof(int32_t))));
+
+inline V16 load16(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// 16 bfloat16s widened to float32 (exact): on AVX-512 one zero-extending load and a shift.
+inline V16 load16(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return reinterpret_cast<V16>(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+#else
+  typedef uint16_t H16 __attribute__((vector_size(16 * sizeof(uint16_t))));
+  typedef uint32_t U16 __attribute__((vector_size(16 * sizeof(uint32_t))));
+  H16 bits;
+  std::memcpy(&bits, p, sizeof bits);
+  const U16 wide = __builtin_convertvector(bits, U16) << 16;
+  V16 v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+#endif
+}
+
+inline void store16(float* p, V16 v) { std::memcpy(p, &v, sizeof v); }
+
+inline float sum16(V16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+#endif
+}
+
+inline float max16(V16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
+#else
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+#endif
+}
+
 // e^x for x <= 0 (scores minus their running max) by Cephes' expf method (x = n ln 2 + f, 2^n e^f with a degree-7
 // polynomial); below -87 (masked keys) exactly 0. The kernels' tests hold it to 1e-5 of torch's softmax. V is a
 // float vector type and I the int32 vector of as many lanes (Vec and IVec here; 16 lanes in the AVX-512 kernels).

@@ -20,58 +20,17 @@
 
 namespace {
 
+using loom::I16;
+using loom::V16;
+using loom::load16;
+using loom::max16;
+using loom::store16;
+using loom::sum16;
 using loom::widen;
 
 constexpr int64_t kTile = 16;  // keys a tile: one score vector per query head
+static_assert(sizeof(V16) == kTile * sizeof(float), "a tile's scores for one query head fill one V16");
 constexpr int kMaxHeadsTogether = 4;  // query heads of one KV head scored together (registers for their sums)
-
-typedef float V16 __attribute__((vector_size(kTile * sizeof(float))));
-typedef int32_t I16 __attribute__((vector_size(kTile * sizeof(int32_t))));
-
-inline V16 load16(const float* p) {
-  V16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// 16 bfloat16s widened to float32 (exact).
-inline V16 load16(const c10::BFloat16* p) {
-#if defined(__AVX512F__)
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return reinterpret_cast<V16>(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
-#else
-  typedef uint16_t H16 __attribute__((vector_size(kTile * sizeof(uint16_t))));
-  typedef uint32_t U16 __attribute__((vector_size(kTile * sizeof(uint32_t))));
-  H16 bits;
-  std::memcpy(&bits, p, sizeof bits);
-  const U16 wide = __builtin_convertvector(bits, U16) << 16;
-  V16 v;
-  std::memcpy(&v, &wide, sizeof v);
-  return v;
-#endif
-}
-
-inline void store16(float* p, V16 v) { std::memcpy(p, &v, sizeof v); }
-
-inline float sum16(V16 v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#else
-  float s = 0.f;
-  for (int i = 0; i < kTile; ++i) s += v[i];
-  return s;
-#endif
-}
-
-inline float max16(V16 v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
-#else
-  float m = v[0];
-  for (int i = 1; i < kTile; ++i) m = v[i] > m ? v[i] : m;
-  return m;
-#endif
-}
 
 // scores[g * kTile + j] = scale * (query head g . key j) for G query heads (rows of `query`, head_dim apart) and the
 // tile's n keys.
@@ -119,7 +78,8 @@ void accumulate_values(float* acc, const float* rescale, const float* weights, c
 template <typename F>
 void by_head_runs(int64_t heads, F&& run) {
   int64_t g = 0;
-  for (; g + kMaxHeadsTogether <= heads; g += kMaxHeadsTogether) run(g, std::integral_constant<int, kMaxHeadsTogether>{});
+  for (; g + kMaxHeadsTogether <= heads; g += kMaxHeadsTogether)
+    run(g, std::integral_constant<int, kMaxHeadsTogether>{});
   for (; g < heads; ++g) run(g, std::integral_constant<int, 1>{});
 }
 
