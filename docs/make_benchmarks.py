@@ -121,23 +121,29 @@ FLOOR_NOTE = ("\"Loom's memory floor over this\" is the ratio's ceiling: the pee
               "read bandwidth measured in the run, and nothing else cost anything.")
 
 
+def peer_section(title: str, intro: str, meta: dict, lines: list[dict], first_column: str) -> list[str]:
+    """A `loom bench offline --peers` run as a section: its systems' lines, each led by its `first_column` field."""
+    out = [f"## {title}", "", f"{intro} {FLOOR_NOTE}", "", *header(meta)]
+    return out + table([first_column, *PEER_COLUMNS], [[x[first_column], *peer_row(x)] for x in lines])
+
+
 def peers_section(meta: dict, lines: list[dict]) -> list[str]:
-    out = ["## Loom against transformers", "",
-           "The first 16 requests of the mixed workload, all at once: Loom's continuous batching against transformers' "
-           "`generate` (one padded batch, its best here) and `generate_batch` (its own continuous batching), the same "
-           "weights in the same process. " + FLOOR_NOTE, "", *header(meta)]
-    rows = [[x["dtype"], *peer_row(x)] for x in lines if x.get("requests") == 16 and "system" in x]
-    return out + table(["dtype", *PEER_COLUMNS], rows)
+    return peer_section(
+        "Loom against transformers",
+        "The first 16 requests of the mixed workload, all at once: Loom's continuous batching against transformers' "
+        "`generate` (one padded batch, its best here) and `generate_batch` (its own continuous batching), the same "
+        "weights in the same process.",
+        meta, [x for x in lines if x.get("requests") == 16 and "system" in x], "dtype")
 
 
 def gemma_section(meta: dict, lines: list[dict]) -> list[str]:
-    out = ["## Gemma 3 270M against transformers", "",
-           "The mixed workload on Gemma 3 270M (GGUF Q4_K_M: q, k, v, gate, up and the LM head run in Q8_0 blocks, "
-           "o and half the down projections in Q4_K blocks, the other down projections in Q6_K blocks), bfloat16. "
-           "transformers runs the first 16 requests with `generate` (one padded batch) and `generate_batch`, on the "
-           "same file in the same process. " + FLOOR_NOTE, "", *header(meta)]
-    rows = [[x["requests"], *peer_row(x)] for x in lines if "system" in x]
-    return out + table(["requests", *PEER_COLUMNS], rows)
+    return peer_section(
+        "Gemma 3 270M against transformers",
+        "The mixed workload on Gemma 3 270M (GGUF Q4_K_M: q, k, v, gate, up and the LM head run in Q8_0 blocks, o and "
+        "half the down projections in Q4_K blocks, the other down projections in Q6_K blocks), bfloat16. transformers "
+        "runs the first 16 requests with `generate` (one padded batch) and `generate_batch`, on the same file in the "
+        "same process.",
+        meta, [x for x in lines if "system" in x], "requests")
 
 
 def gemma_kv_section(meta: dict, lines: list[dict]) -> list[str]:

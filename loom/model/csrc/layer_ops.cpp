@@ -232,6 +232,18 @@ LOOM_WIDE_VECTORS void silu_mul_row(const float* gate, const float* up, float* o
   for (int64_t i = 0; i < width; ++i) out[i] = loom::silu_float(gate[i]) * up[i];
 }
 
+// Rows of bfloat16 [gate, up] (each half `width` wide) -> table[gate] * up, by silu.h's table routine.
+void table_mul_rows(const uint16_t* table, const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t rows,
+                    int64_t width) {
+  const auto* bits = reinterpret_cast<const uint16_t*>(gate_up);
+  auto* out_bits = reinterpret_cast<uint16_t*>(out);
+  at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      loom::table_mul_row_bf16(table, bits + r * 2 * width, bits + r * 2 * width + width, out_bits + r * width,
+                               width);
+  });
+}
+
 template <typename T>
 void silu_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t width) {
   if constexpr (std::is_same_v<T, float>) {
@@ -240,14 +252,7 @@ void silu_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t width) {
         silu_mul_row(gate_up + r * 2 * width, gate_up + r * 2 * width + width, out + r * width, width);
     });
   } else {
-    const uint16_t* table = loom::bf16_silu_table();
-    const auto* bits = reinterpret_cast<const uint16_t*>(gate_up);
-    auto* out_bits = reinterpret_cast<uint16_t*>(out);
-    at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r)
-        loom::table_mul_row_bf16(table, bits + r * 2 * width, bits + r * 2 * width + width, out_bits + r * width,
-                                 width);
-    });
+    table_mul_rows(loom::bf16_silu_table(), gate_up, out, rows, width);
   }
 }
 
@@ -370,14 +375,8 @@ torch::Tensor bf16_table_mul(const torch::Tensor& gate_up, const torch::Tensor& 
               "table must be a contiguous bfloat16 [65537]: one entry a bfloat16 value, and one of padding");
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
   auto out = torch::empty({rows, width}, gate_up.options());
-  const auto* entries = reinterpret_cast<const uint16_t*>(table.data_ptr<c10::BFloat16>());
-  const auto* bits = reinterpret_cast<const uint16_t*>(gate_up.data_ptr<c10::BFloat16>());
-  auto* out_bits = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
-  at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      loom::table_mul_row_bf16(entries, bits + r * 2 * width, bits + r * 2 * width + width, out_bits + r * width,
-                              width);
-  });
+  table_mul_rows(reinterpret_cast<const uint16_t*>(table.data_ptr<c10::BFloat16>()),
+                 gate_up.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, width);
   return out;
 }
 
